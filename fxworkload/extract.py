@@ -1,0 +1,58 @@
+"""The extraction pipeline as one call: model argument in, Workload and its settings out."""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+import transformers
+
+from . import __version__, devices, models
+from .capture import capture_training_step
+from .devices import DTYPES, DeviceProfile
+from .errors import UserError
+from .flops import register_transformers_ops
+from .workload import Workload, build
+
+
+@dataclass
+class Extraction:
+    spec: models.ModelSpec
+    workload: Workload
+    device: DeviceProfile
+    settings: dict
+
+
+def extract(model: str, batch: int = 1, seq: int | None = None, dtype: str = "fp32",
+            grad_dtype: str | None = None, device: str = "a100-80gb", size_unit: str = "bytes",
+            progress: bool = False) -> Extraction:
+    for name, value in (("batch", batch), ("seq", seq)):
+        if value is not None and value <= 0:
+            raise UserError(f"--{name} must be a positive integer, got {value}")
+    for name, value in (("dtype", dtype), ("grad-dtype", grad_dtype)):
+        if value is not None and value not in DTYPES:
+            raise UserError(f"unknown --{name} '{value}': use one of {', '.join(DTYPES)}")
+    grad_dtype = grad_dtype or dtype
+    profile = devices.load(device)
+    spec = models.resolve(model)
+    limit = models.max_positions(spec.config)
+    seq = seq or min(1024, limit or 1024)
+    if limit is not None and seq > limit:
+        raise UserError(f"--seq {seq} exceeds {spec.name}'s max_position_embeddings ({limit}); use a shorter --seq")
+
+    start = time.perf_counter()
+    say = (lambda text: print(text, file=sys.stderr, flush=True)) if progress else (lambda text: None)
+    say(f"building {spec.name} on the meta device ({dtype})...")
+    module = models.build_meta_model(spec, DTYPES[dtype])
+    say(f"capturing one training step (batch {batch}, seq {seq})...")
+    capture = capture_training_step(module, batch, seq)
+    say(f"captured {len(capture.phase)} ops in {time.perf_counter() - start:.1f} s; costing on {profile.name}...")
+    register_transformers_ops()
+    workload = build(capture, module, profile, DTYPES[grad_dtype])
+    settings = {"model": spec.name, "model_type": spec.config.model_type, "task": spec.task,
+                "batch": batch, "seq": seq, "dtype": dtype, "grad_dtype": grad_dtype, "device": profile.name,
+                "size_unit": size_unit, "fxworkload_version": __version__, "torch_version": torch.__version__,
+                "transformers_version": transformers.__version__}
+    return Extraction(spec=spec, workload=workload, device=profile, settings=settings)

@@ -1,0 +1,119 @@
+"""Resolve a model argument to a HuggingFace config and build the model on the meta device.
+
+A model argument is a built-in name (a folder under ``models/`` with a ``config.json``), a local
+checkpoint folder, or a path to a ``config.json``. Nothing is ever downloaded.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import CONFIG_MAPPING, PretrainedConfig
+from transformers.models.auto.modeling_auto import (
+    MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+    MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+    AutoModelForCausalLM,
+    AutoModelForMaskedLM,
+)
+
+from .errors import UserError
+
+BUILTIN_DIR = Path(__file__).resolve().parent.parent / "models"
+
+CAUSAL_LM = "causal-lm"
+MASKED_LM = "masked-lm"
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str  # the built-in name, or the folder / file name of a local config
+    config: PretrainedConfig
+    task: str  # CAUSAL_LM or MASKED_LM
+
+
+def builtin_names() -> list[str]:
+    return sorted(p.parent.name for p in BUILTIN_DIR.glob("*/config.json"))
+
+
+def resolve(model: str) -> ModelSpec:
+    """Turn a model argument into a ModelSpec, or raise UserError saying why not."""
+    path = Path(model)
+    if (BUILTIN_DIR / model / "config.json").is_file() and not path.exists():
+        return _spec(model, BUILTIN_DIR / model / "config.json")
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise UserError(f"{model}: folder has no config.json; point at a HuggingFace checkpoint folder")
+        return _spec(path.resolve().name, path / "config.json")
+    if path.is_file():
+        return _spec(path.resolve().parent.name if path.name == "config.json" else path.stem, path)
+    raise UserError(f"unknown model '{model}': use a checkpoint folder, a config.json, or one of: "
+                    + ", ".join(builtin_names()))
+
+
+def _spec(name: str, config_path: Path) -> ModelSpec:
+    config = load_config(config_path)
+    return ModelSpec(name=name, config=config, task=task_of(config))
+
+
+def load_config(config_path: Path) -> PretrainedConfig:
+    try:
+        data = json.loads(config_path.read_text())
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UserError(f"{config_path}: cannot read it ({exc}); check the path and permissions") from None
+    except json.JSONDecodeError as exc:
+        raise UserError(f"{config_path}: malformed JSON at line {exc.lineno} column {exc.colno}; "
+                        "fix the file or re-save it with save_pretrained") from None
+    if not isinstance(data, dict) or "model_type" not in data:
+        raise UserError(f"{config_path}: no 'model_type' key; this is not a HuggingFace config.json")
+    model_type = data["model_type"]
+    if model_type not in CONFIG_MAPPING:
+        raise UserError(f"{config_path}: model_type '{model_type}' is unknown to this transformers "
+                        "version; use a supported architecture or upgrade transformers")
+    try:
+        return CONFIG_MAPPING[model_type].from_dict(data)
+    except (TypeError, ValueError) as exc:
+        raise UserError(f"{config_path}: invalid {model_type} config ({exc}); fix the file") from None
+
+
+def task_of(config: PretrainedConfig) -> str:
+    """The training objective: the causal-LM loss, or the masked-LM loss for encoder families."""
+    architectures = getattr(config, "architectures", None) or []
+    if architectures and architectures[0].endswith("ForMaskedLM"):
+        return MASKED_LM
+    if config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return CAUSAL_LM
+    if config.model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES:
+        return MASKED_LM
+    raise UserError(f"unsupported architecture '{config.model_type}': it has no causal-LM or masked-LM "
+                    "head in transformers; use a language model")
+
+
+def build_meta_model(spec: ModelSpec, dtype: torch.dtype) -> torch.nn.Module:
+    """The model with every parameter on the meta device (shapes only, no weight memory), in train mode."""
+    config = spec.config
+    config.use_cache = False
+    auto = AutoModelForCausalLM if spec.task == CAUSAL_LM else AutoModelForMaskedLM
+    try:
+        with torch.device("meta"):
+            model = auto.from_config(config, dtype=dtype)
+    except (ValueError, TypeError, AttributeError, RuntimeError) as exc:
+        raise UserError(f"cannot build {spec.name} ({config.model_type}): {_first_line(exc)}; "
+                        "check the config's hyper-parameters") from None
+    return model.train()
+
+
+def max_positions(config: PretrainedConfig) -> int | None:
+    return getattr(config, "max_position_embeddings", None)
+
+
+def trainable_parameter_count(model: torch.nn.Module) -> int:
+    """Trainable parameters, tied weights counted once (named_parameters de-duplicates them)."""
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__

@@ -1,0 +1,31 @@
+"""Bytes one op moves through memory: every tensor it reads plus every tensor it writes.
+
+Aliasing ops (views, reshapes, getitem of a multi-output op, detach) move 0 bytes, and so do
+allocations that no kernel fills (``empty``). Sizes are logical: numel × element size of each
+tensor as the op sees it (a broadcast input is counted at its broadcast size).
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Ops whose schema is not marked as a view but that alias their input or launch no kernel.
+NO_KERNEL_OPS = frozenset({"_unsafe_view", "alias", "detach", "lift_fresh", "empty", "empty_like",
+                           "empty_strided", "empty_permuted", "_reshape_alias"})
+
+
+def is_alias(target) -> bool:
+    if not isinstance(target, torch._ops.OpOverload):  # operator.getitem and other Python callables
+        return True
+    return target.is_view or target.overloadpacket.__name__ in NO_KERNEL_OPS
+
+
+def tensor_bytes(tree) -> int:
+    leaves = torch.utils._pytree.tree_leaves(tree)
+    return sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor))
+
+
+def bytes_moved(target, args, kwargs, out) -> int:
+    if is_alias(target):
+        return 0
+    return tensor_bytes((args, kwargs)) + tensor_bytes(out)

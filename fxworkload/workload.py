@@ -1,0 +1,207 @@
+"""From a captured training step to the per-node workload: costs, backward split, gradient rows."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from . import flops as flop_rules
+from .capture import FORWARD, INPUT_GRAD, WEIGHT_GRAD, Capture
+from .devices import DeviceProfile
+from .roofline import estimate_ns
+from .traffic import bytes_moved, is_alias
+
+
+@dataclass(frozen=True)
+class OpCost:
+    fx_name: str
+    op: str  # aten overload, e.g. aten.addmm.default
+    kind: str  # matmul, attention, elementwise, norm, reduction, data_movement, view, other
+    phase: str  # forward, input_grad, weight_grad
+    input_shapes: list
+    input_dtypes: list
+    output_shapes: list
+    output_dtypes: list
+    flops: int
+    bytes: int
+    estimated_ns: float
+    has_flop_rule: bool
+
+
+@dataclass
+class NodeRow:
+    """One forward node, with the backward ops autograd ran for it."""
+    name: str
+    module: str
+    forward: OpCost
+    input_grad: list[OpCost] = field(default_factory=list)
+    weight_grad: list[OpCost] = field(default_factory=list)
+
+    @property
+    def backward_ns(self) -> float:
+        return sum(op.estimated_ns for op in self.input_grad)
+
+    @property
+    def weight_grad_ns(self) -> float:
+        return sum(op.estimated_ns for op in self.weight_grad)
+
+    @property
+    def total_ns(self) -> float:
+        return self.forward.estimated_ns + self.backward_ns + self.weight_grad_ns
+
+
+@dataclass
+class GradRow:
+    """The asynchronous all-reduce of one module's parameter gradients."""
+    name: str
+    module: str
+    parameters: list[str]
+    elements: int
+    bytes: int
+
+
+@dataclass
+class Workload:
+    rows: list  # NodeRow and GradRow, in table order
+    parameter_count: int
+    gradient_bytes: int
+
+    @property
+    def node_rows(self) -> list[NodeRow]:
+        return [r for r in self.rows if isinstance(r, NodeRow)]
+
+    @property
+    def grad_rows(self) -> list[GradRow]:
+        return [r for r in self.rows if isinstance(r, GradRow)]
+
+    def ops(self, phase: str | None = None) -> list[OpCost]:
+        ops = [op for r in self.node_rows for op in [r.forward, *r.input_grad, *r.weight_grad]]
+        return ops if phase is None else [op for op in ops if op.phase == phase]
+
+    def totals(self) -> dict:
+        out = {}
+        for phase in (FORWARD, INPUT_GRAD, WEIGHT_GRAD):
+            ops = self.ops(phase)
+            out[f"{phase}_flops"] = sum(op.flops for op in ops)
+            out[f"{phase}_bytes"] = sum(op.bytes for op in ops)
+            out[f"{phase}_estimated_ns"] = sum(op.estimated_ns for op in ops)
+        out["step_estimated_ns"] = sum(out[f"{p}_estimated_ns"] for p in (FORWARD, INPUT_GRAD, WEIGHT_GRAD))
+        out["parameters"] = self.parameter_count
+        out["gradient_bytes"] = self.gradient_bytes
+        return out
+
+
+def build(capture: Capture, model: torch.nn.Module, device: DeviceProfile, grad_dtype: torch.dtype) -> Workload:
+    costs = {node: cost_of(node, phase, device) for node, phase in capture.phase.items()}
+    forward_nodes = [n for n, phase in capture.phase.items() if phase == FORWARD]
+    main_ops = _main_ops(forward_nodes, capture.module, costs, model)
+    rows = {n: NodeRow(name=_row_name(n, main_ops), module=capture.module[n], forward=costs[n])
+            for n in forward_nodes}
+    _dedupe_names(list(rows.values()))
+    for node, owner in capture.owner.items():
+        row = rows[owner]
+        (row.weight_grad if capture.phase[node] == WEIGHT_GRAD else row.input_grad).append(costs[node])
+
+    grad_rows = _grad_rows(model, capture, main_ops, rows, grad_dtype)
+    table = []
+    for node in forward_nodes:
+        table.extend(grad_rows.pop(node, []))
+        table.append(rows[node])
+    for leftover in grad_rows.values():  # parameters no forward op of their module reads
+        table.extend(leftover)
+    total_elements = sum(r.elements for r in table if isinstance(r, GradRow))
+    return Workload(rows=table, parameter_count=total_elements,
+                    gradient_bytes=total_elements * _itemsize(grad_dtype))
+
+
+def cost_of(node: torch.fx.Node, phase: str, device: DeviceProfile) -> OpCost:
+    args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
+    out = node.meta.get("val")
+    alias = is_alias(node.target)
+    flops = 0 if alias else flop_rules.node_flops(node.target, args, kwargs, out)
+    nbytes = bytes_moved(node.target, args, kwargs, out)
+    kind = flop_rules.op_kind(node.target, alias)
+    inputs = [t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    outputs = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+    dtype = next((t.dtype for t in inputs + outputs if t.dtype.is_floating_point), None)
+    return OpCost(
+        fx_name=node.name, op=_op_string(node.target), kind=kind, phase=phase,
+        input_shapes=[list(t.shape) for t in inputs], input_dtypes=[_dtype_name(t.dtype) for t in inputs],
+        output_shapes=[list(t.shape) for t in outputs], output_dtypes=[_dtype_name(t.dtype) for t in outputs],
+        flops=flops or 0, bytes=nbytes,
+        estimated_ns=estimate_ns(flops or 0, nbytes, kind in (flop_rules.MATMUL, flop_rules.ATTENTION), dtype, device),
+        has_flop_rule=alias or flops is not None)
+
+
+def _main_ops(forward_nodes, module_of, costs, model) -> dict[torch.fx.Node, str]:
+    """The costliest forward op of each leaf or parameter-owning module: it is named after the module."""
+    named = dict(model.named_modules())
+    best: dict[str, torch.fx.Node] = {}
+    for node in forward_nodes:
+        path = module_of[node]
+        module = named.get(path)
+        if not path or module is None:
+            continue
+        if next(module.children(), None) is not None and next(module.parameters(recurse=False), None) is None:
+            continue
+        key = (costs[node].flops, costs[node].bytes)
+        if path not in best or key > (costs[best[path]].flops, costs[best[path]].bytes):
+            best[path] = node
+    return {node: path for path, node in best.items() if costs[node].bytes > 0}
+
+
+def _row_name(node: torch.fx.Node, main_ops: dict[torch.fx.Node, str]) -> str:
+    return main_ops[node].replace(".", "_") if node in main_ops else node.name
+
+
+def _dedupe_names(rows: list[NodeRow]) -> None:
+    seen: set[str] = set()
+    for row in rows:
+        name, k = row.name, 1
+        while name in seen:
+            name, k = f"{row.name}_{k}", k + 1
+        row.name = name
+        seen.add(name)
+
+
+def _grad_rows(model, capture: Capture, main_ops, rows, grad_dtype) -> dict[torch.fx.Node, list[GradRow]]:
+    """One gradient row per module that owns trainable parameters, before the row of its main op.
+
+    named_parameters() lists a tied weight once, under its first owner (GPT-2: transformer.wte),
+    so every trainable parameter lands in exactly one row.
+    """
+    by_module: dict[str, list[tuple[str, torch.nn.Parameter]]] = {}
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            by_module.setdefault(name.rpartition(".")[0], []).append((name, param))
+    main_of = {path: node for node, path in main_ops.items()}
+    placed: dict[torch.fx.Node, list[GradRow]] = {}
+    for path, params in by_module.items():
+        anchor = main_of.get(path) or _first_reader(capture, [name for name, _ in params])
+        elements = sum(p.numel() for _, p in params)
+        base = rows[anchor].name if anchor is not None else path.replace(".", "_")
+        placed.setdefault(anchor, []).append(GradRow(
+            name=f"{base}_grad", module=path, parameters=[name for name, _ in params],
+            elements=elements, bytes=elements * _itemsize(grad_dtype)))
+    return placed
+
+
+def _first_reader(capture: Capture, parameter_names: list[str]):
+    """The first forward node that reads one of these parameters, for modules with no main op."""
+    readers = [user for name in parameter_names if name in capture.parameter_nodes
+               for user in capture.parameter_nodes[name].users if capture.phase.get(user) == FORWARD]
+    order = {n: i for i, n in enumerate(capture.phase)}
+    return min(readers, key=order.__getitem__, default=None)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _op_string(target) -> str:
+    return str(target) if isinstance(target, torch._ops.OpOverload) else getattr(target, "__name__", str(target))

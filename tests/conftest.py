@@ -1,0 +1,40 @@
+"""Tiny model configs written with save_pretrained into temp folders; nothing is downloaded."""
+
+from __future__ import annotations
+
+import pytest
+from transformers import CONFIG_MAPPING
+
+# Dropout 0 so that an eager CPU step takes the same kernels as the trace (CPU flash SDPA has no dropout).
+TINY = {
+    "gpt2": dict(n_layer=2, n_embd=64, n_head=4, vocab_size=96, n_positions=64,
+                 attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0, architectures=["GPT2LMHeadModel"]),
+    "llama": dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                  intermediate_size=112, vocab_size=96, max_position_embeddings=64, architectures=["LlamaForCausalLM"]),
+    "bert": dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=128, vocab_size=96,
+                 max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                 architectures=["BertForMaskedLM"]),
+    "mixtral": dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                    intermediate_size=96, vocab_size=96, max_position_embeddings=64, num_local_experts=4,
+                    num_experts_per_tok=2, architectures=["MixtralForCausalLM"]),
+}
+
+
+def tiny_config(model_type: str, **overrides):
+    return CONFIG_MAPPING[model_type](**{**TINY[model_type], **overrides})
+
+
+@pytest.fixture(autouse=True)
+def _isolated_cache(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("FXWORKLOAD_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "cache"))
+
+
+@pytest.fixture(scope="session")
+def tiny_dirs(tmp_path_factory):
+    """model_type -> a folder holding only that tiny model's config.json."""
+    dirs = {}
+    for model_type in TINY:
+        path = tmp_path_factory.mktemp(f"tiny-{model_type}")
+        tiny_config(model_type).save_pretrained(path)
+        dirs[model_type] = path
+    return dirs
