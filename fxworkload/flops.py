@@ -90,7 +90,7 @@ PER_ELEMENT_RULES: dict[str, Rule] = {
     **_rules(ELEMENTWISE, 1, "add add_ sub sub_ rsub mul mul_ div div_ neg reciprocal rsqrt sqrt pow exp "
              "log tanh sigmoid abs where maximum minimum clamp clamp_min clamp_max masked_fill "
              "masked_fill_ bernoulli_ native_dropout lt le gt ge eq ne logical_not bitwise_not "
-             "bitwise_and bitwise_or cos sin erf triu tril fill_ lerp addcmul sign"),
+             "bitwise_and bitwise_or cos sin erf triu tril fill_ lerp addcmul sign floor_divide remainder"),
     **_rules(ELEMENTWISE, 2, "tanh_backward sigmoid_backward threshold_backward native_dropout_backward"),
     # silu = x·sigmoid(x); gelu (erf or tanh form) about 8 ops per element
     **_rules(ELEMENTWISE, 4, "silu silu_"),
@@ -112,7 +112,8 @@ PER_ELEMENT_RULES: dict[str, Rule] = {
     **_rules(DATA_MOVEMENT, 0, "embedding index gather scatter clone copy copy_ _to_copy cat stack "
              "constant_pad_nd repeat repeat_interleave contiguous new_zeros zeros zeros_like ones "
              "ones_like full full_like arange scalar_tensor slice_scatter select_scatter "
-             "index_select masked_select _unsafe_index lift_fresh_copy"),
+             "index_select masked_select _unsafe_index lift_fresh_copy new_ones new_full slice_backward "
+             "select_backward"),
 }
 
 

@@ -11,7 +11,7 @@ import torch
 
 # Ops whose schema is not marked as a view but that alias their input or launch no kernel.
 NO_KERNEL_OPS = frozenset({"_unsafe_view", "alias", "detach", "lift_fresh", "empty", "empty_like",
-                           "empty_strided", "empty_permuted", "_reshape_alias"})
+                           "empty_strided", "empty_permuted", "new_empty", "new_empty_strided", "_reshape_alias"})
 
 
 def is_alias(target) -> bool:

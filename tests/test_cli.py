@@ -1,0 +1,109 @@
+"""The command line: outputs, determinism, checkpoints, and one clear line for every bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from .conftest import tiny_config
+
+
+def fxworkload(*args, cwd=None):
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    return subprocess.run([sys.executable, "-m", "fxworkload", *map(str, args)], capture_output=True,
+                          text=True, cwd=cwd, env=env)
+
+
+def test_extract_writes_both_tables_and_a_summary(tiny_dirs, tmp_path):
+    run = fxworkload("extract", tiny_dirs["gpt2"], "--batch", 2, "--seq", 16, "--out", tmp_path / "out")
+    assert run.returncode == 0, run.stderr
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["workload.json", "workload.tsv"]
+    header = (tmp_path / "out" / "workload.tsv").read_text().splitlines()[0].split("\t")
+    assert header == ["name", "forward_compute_time", "forward_comm_type", "forward_comm_size",
+                      "backward_compute_time", "backward_comm_type", "backward_comm_size",
+                      "weight_grad_compute_time", "weight_grad_comm_type", "weight_grad_comm_size", "process_time"]
+    document = json.loads((tmp_path / "out" / "workload.json").read_text())
+    assert document["settings"]["batch"] == 2 and document["settings"]["seq"] == 16
+    assert document["unruled_ops"] == []
+    assert "trainable parameters" in run.stdout and "costliest" in run.stdout
+
+
+def test_same_command_twice_writes_identical_files(tiny_dirs, tmp_path):
+    for out in ("a", "b"):
+        assert fxworkload("extract", tiny_dirs["llama"], "--seq", 16, "--out", tmp_path / out).returncode == 0
+    for name in ("workload.tsv", "workload.json"):
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
+
+
+def test_checkpoint_folder_extracts_the_same_table_as_its_config(tiny_dirs, tmp_path):
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(tiny_config("gpt2")).save_pretrained(tmp_path / "ckpt")
+    assert any(p.suffix == ".safetensors" for p in (tmp_path / "ckpt").iterdir())
+    from_ckpt = fxworkload("extract", tmp_path / "ckpt", "--seq", 16, "--out", tmp_path / "a")
+    from_config = fxworkload("extract", tmp_path / "ckpt" / "config.json", "--seq", 16, "--out", tmp_path / "b")
+    assert from_ckpt.returncode == 0 and from_config.returncode == 0, from_ckpt.stderr + from_config.stderr
+    assert (tmp_path / "a" / "workload.tsv").read_bytes() == (tmp_path / "b" / "workload.tsv").read_bytes()
+
+
+def test_models_lists_every_built_in_with_its_parameter_count():
+    run = fxworkload("models")
+    assert run.returncode == 0
+    assert "llama-3-70b" in run.stdout and "70,553,706,496" in run.stdout
+
+
+def test_devices_lists_the_profiles():
+    run = fxworkload("devices")
+    assert run.returncode == 0
+    for name in ("a100-40gb", "a100-80gb", "h100-sxm", "h200", "cpu"):
+        assert name in run.stdout
+
+
+def _bad_inputs(tmp_path, tiny_dirs):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    malformed = tmp_path / "malformed"
+    malformed.mkdir()
+    (malformed / "config.json").write_text('{"model_type": "gpt2", ')
+    vision = tmp_path / "vision"
+    vision.mkdir()
+    (vision / "config.json").write_text('{"model_type": "resnet"}')
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    gpt2 = tiny_dirs["gpt2"]
+    return {
+        "unknown model": (["no-such-model"], "gpt2-medium"),
+        "folder without config.json": ([empty], "no config.json"),
+        "malformed config.json": ([malformed], "malformed JSON"),
+        "unsupported architecture": ([vision], "unsupported architecture"),
+        "batch 0": ([gpt2, "--batch", 0], "--batch"),
+        "negative seq": ([gpt2, "--seq", -4], "--seq"),
+        "seq past the model's positions": ([gpt2, "--seq", 4096], "max_position_embeddings"),
+        "unknown device": ([gpt2, "--device", "tpu-v9"], "unknown device"),
+        "unknown dtype": ([gpt2, "--dtype", "fp8"], "unknown --dtype"),
+        "unwritable out": ([gpt2, "--seq", 8, "--out", blocker / "sub"], "cannot write"),
+        "non-integer batch": ([gpt2, "--batch", "two"], "invalid int"),
+    }
+
+
+@pytest.mark.parametrize("case", ["unknown model", "folder without config.json", "malformed config.json",
+                                  "unsupported architecture", "batch 0", "negative seq",
+                                  "seq past the model's positions", "unknown device", "unknown dtype",
+                                  "unwritable out", "non-integer batch"])
+def test_bad_input_gives_one_line_exit_2_and_no_files(case, tmp_path, tiny_dirs):
+    args, expected = _bad_inputs(tmp_path, tiny_dirs)[case]
+    out = tmp_path / "never"
+    if "--out" not in args:
+        args = [*args, "--out", out]
+    run = fxworkload("extract", *args, cwd=tmp_path)
+    assert run.returncode == 2
+    lines = [line for line in run.stderr.splitlines() if not line.startswith(("building", "capturing", "captured"))]
+    assert len(lines) == 1, run.stderr
+    assert lines[0].startswith("fxworkload: error:") and expected in lines[0]
+    assert "Traceback" not in run.stderr
+    assert not out.exists() and not (tmp_path / "outputs").exists()

@@ -1,0 +1,87 @@
+"""Per-node costs checked by hand: the backward split of a Linear, bytes moved, the roofline."""
+
+from __future__ import annotations
+
+import pytest
+
+from fxworkload.devices import DeviceProfile, load
+from fxworkload.extract import extract
+from fxworkload.roofline import estimate_ns
+
+from .conftest import tiny_config
+
+B, S = 2, 16
+
+
+@pytest.fixture(scope="module")
+def gpt2(tiny_dirs):
+    return extract(str(tiny_dirs["gpt2"]), batch=B, seq=S)
+
+
+def _row(workload, name):
+    return next(r for r in workload.node_rows if r.name == name)
+
+
+def test_linear_backward_is_one_dx_gemm_plus_one_dw_gemm_and_a_bias_sum(gpt2):
+    h = tiny_config("gpt2").n_embd
+    m, k, n = B * S, h, 4 * h  # c_fc: hidden -> 4·hidden
+    row = _row(gpt2.workload, "transformer_h_0_mlp_c_fc")
+    assert row.forward.op == "aten.addmm.default"
+    assert row.forward.flops == 2 * m * k * n
+    assert row.forward.bytes == 4 * (n + m * k + k * n + m * n)  # bias, x, W read; y written
+    dx = [op for op in row.input_grad if op.kind == "matmul"]
+    dw = [op for op in row.weight_grad if op.kind == "matmul"]
+    assert [op.flops for op in dx] == [2 * m * k * n] and [op.flops for op in dw] == [2 * m * k * n]
+    assert dw[0].output_shapes == [[k, n]] and dx[0].output_shapes == [[m, k]]
+    bias = [op for op in row.weight_grad if op.kind == "reduction"]
+    assert len(bias) == 1 and bias[0].output_shapes in ([[1, n]], [[n]])
+
+
+def test_layer_norm_backward_is_input_grad_and_its_parameter_gradients_weight_grad(gpt2):
+    row = _row(gpt2.workload, "transformer_h_0_ln_1")
+    assert [op.op for op in row.input_grad if op.kind == "norm"] == ["aten.native_layer_norm_backward.default"]
+
+
+def test_views_move_nothing_and_take_no_time(gpt2):
+    views = [op for op in gpt2.workload.ops() if op.kind == "view"]
+    assert views and all(op.bytes == 0 and op.flops == 0 and op.estimated_ns == 0 for op in views)
+
+
+def test_every_traced_op_lands_in_exactly_one_row(gpt2, tiny_dirs):
+    from fxworkload import models
+    from fxworkload.capture import capture_training_step
+    import torch
+
+    module = models.build_meta_model(models.resolve(str(tiny_dirs["gpt2"])), torch.float32)
+    capture = capture_training_step(module, B, S)
+    names = [op.fx_name for op in gpt2.workload.ops()]
+    assert len(names) == len(set(names)) == len(capture.phase)
+
+
+def test_row_times_add_up_to_the_phase_totals(gpt2):
+    totals = gpt2.workload.totals()
+    rows = gpt2.workload.node_rows
+    assert sum(r.forward.estimated_ns for r in rows) == pytest.approx(totals["forward_estimated_ns"])
+    assert sum(r.backward_ns for r in rows) == pytest.approx(totals["input_grad_estimated_ns"])
+    assert sum(r.weight_grad_ns for r in rows) == pytest.approx(totals["weight_grad_estimated_ns"])
+
+
+def test_roofline_by_hand():
+    device = DeviceProfile(name="t", description="", matmul_flops_per_s={"fp32": 1e12, "bf16": 4e12, "fp16": 4e12},
+                           vector_flops_per_s=5e11, memory_bytes_per_s=1e11, compute_efficiency=0.5,
+                           memory_efficiency=0.5, kernel_launch_ns=1000.0)
+    import torch
+    # compute-bound GEMM in bf16: 4e9 FLOPs / (4e12 · 0.5) = 2 ms
+    assert estimate_ns(4_000_000_000, 1_000, True, torch.bfloat16, device) == pytest.approx(1000 + 2e6)
+    # memory-bound elementwise: 1e6 bytes / (1e11 · 0.5) = 20 us
+    assert estimate_ns(1_000, 1_000_000, False, torch.float32, device) == pytest.approx(1000 + 2e4)
+    assert estimate_ns(0, 0, False, torch.float32, device) == 0
+
+
+def test_shipped_device_profiles_cite_a_source_for_every_figure():
+    for name in ("a100-40gb", "a100-80gb", "h100-sxm", "h200"):
+        profile = load(name)
+        for figure in ("matmul_flops_per_s", "vector_flops_per_s", "memory_bytes_per_s", "compute_efficiency",
+                       "memory_efficiency", "kernel_launch_ns"):
+            assert profile.sources.get(figure), (name, figure)
+    assert load("a100-80gb").matmul_flops_per_s["bf16"] == 312e12  # dense, not the 624 sparse figure
