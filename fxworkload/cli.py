@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 import warnings
+from dataclasses import asdict
 from pathlib import Path
 
 from .errors import UserError
@@ -47,7 +48,6 @@ def run_extract(args) -> int:
     result = extract(args.model, batch=args.batch, seq=args.seq, dtype=args.dtype, grad_dtype=args.grad_dtype,
                      device=args.device, size_unit=args.size_unit, progress=True)
     out = prepare_out_dir(args.out or Path("outputs") / result.spec.name)
-    from dataclasses import asdict
     written = write_files(out, {
         "workload.tsv": tsv_text(result.workload, args.size_unit),
         "workload.json": json_text(result.workload, result.settings, asdict(result.device)),
