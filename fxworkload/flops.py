@@ -105,7 +105,7 @@ PER_ELEMENT_RULES: dict[str, Rule] = {
     **_rules(NORM, 14, "native_layer_norm_backward native_group_norm_backward", basis="input"),
     **_rules(NORM, 4, "_fused_rms_norm", basis="input"),
     **_rules(NORM, 8, "_fused_rms_norm_backward", basis="input"),
-    **_rules(REDUCTION, 1, "sum mean amax amax max min argmax var_mean var std cumsum logsumexp "
+    **_rules(REDUCTION, 1, "sum mean amax max min argmax var_mean var std cumsum logsumexp "
              "nll_loss_forward nll_loss_backward histc topk sort", basis="input"),
     # embedding backward accumulates one add per element of the incoming gradient
     **_rules(REDUCTION, 1, "embedding_dense_backward scatter_add index_add index_put index_put_", basis="input"),
