@@ -10,7 +10,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	# torch first, pinned: this machine has its CPU wheel; an unpinned torch pulls a multi-GB CUDA build
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[test]'
+	$(BIN)/pip install --quiet -e '.[test,plot]'
 	touch $(STAMP)
 
 run: $(STAMP)
@@ -21,6 +21,7 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python bench/extract.py
+	$(BIN)/python bench/accuracy.py
 
 clean:
 	rm -rf $(VENV) outputs/*/

@@ -35,6 +35,7 @@ _GRAD_FN_KEY = "fxworkload_grad_fn_seq_nr"
 
 @dataclass
 class Capture:
+    graph_module: torch.fx.GraphModule  # callable as (parameters + buffers, input_ids) -> (loss, grads)
     graph: torch.fx.Graph
     phase: dict[torch.fx.Node, str]  # every call_function node
     owner: dict[torch.fx.Node, torch.fx.Node]  # backward node -> forward node it differentiates
@@ -42,15 +43,18 @@ class Capture:
     parameter_nodes: dict[str, torch.fx.Node]  # parameter name -> its placeholder
 
 
-def capture_training_step(model: torch.nn.Module, batch: int, seq: int) -> Capture:
-    """Trace forward with the model's own loss (labels = input ids) and backward to every parameter."""
+def capture_training_step(model: torch.nn.Module, batch: int, seq: int, device: str = "cpu") -> Capture:
+    """Trace forward with the model's own loss (labels = input ids) and backward to every parameter.
+
+    ``device`` is where the fake tensors live, so where ops dispatch: the graph runs on that device.
+    """
     parameters = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
     names = list(parameters) + list(buffers)
     with FakeTensorMode():
-        values = [_fake_like(t, requires_grad=name in parameters)
+        values = [_fake_like(t, device, requires_grad=name in parameters)
                   for name, t in list(parameters.items()) + list(buffers.items())]
-        input_ids = torch.zeros(batch, seq, dtype=torch.long)
+        input_ids = torch.zeros(batch, seq, dtype=torch.long, device=device)
     n_params = len(parameters)
 
     def training_step(values, input_ids):
@@ -71,11 +75,11 @@ def capture_training_step(model: torch.nn.Module, batch: int, seq: int) -> Captu
     gm.graph.eliminate_dead_code()
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     parameter_nodes = dict(zip(list(parameters), placeholders[:n_params]))
-    return _label(gm.graph, parameter_nodes)
+    return _label(gm, parameter_nodes)
 
 
-def _fake_like(t: torch.Tensor, requires_grad: bool) -> torch.Tensor:
-    return torch.empty(t.shape, dtype=t.dtype, device="cpu", requires_grad=requires_grad)
+def _fake_like(t: torch.Tensor, device: str, requires_grad: bool) -> torch.Tensor:
+    return torch.empty(t.shape, dtype=t.dtype, device=device, requires_grad=requires_grad)
 
 
 def _set_custom(custom: dict) -> None:
@@ -164,7 +168,8 @@ def _trace_friendly(model: torch.nn.Module):
         moe._can_use_grouped_mm = original
 
 
-def _label(graph: torch.fx.Graph, parameter_nodes: dict[str, torch.fx.Node]) -> Capture:
+def _label(gm: torch.fx.GraphModule, parameter_nodes: dict[str, torch.fx.Node]) -> Capture:
+    graph = gm.graph
     nodes = [n for n in graph.nodes if n.op == "call_function"]
     forward = [n for n in nodes if n.meta.get("custom", {}).get(_PHASE_KEY) != "backward"]
     backward = [n for n in nodes if n.meta.get("custom", {}).get(_PHASE_KEY) == "backward"]
@@ -194,7 +199,7 @@ def _label(graph: torch.fx.Graph, parameter_nodes: dict[str, torch.fx.Node]) -> 
     weight_grad = _weight_grad_nodes(backward, owner, _weight_like(graph, parameter_nodes))
     phase.update({n: WEIGHT_GRAD if n in weight_grad else INPUT_GRAD for n in backward})
     module = {n: _innermost_module(n) for n in forward}
-    return Capture(graph=graph, phase=phase, owner=owner, module=module, parameter_nodes=parameter_nodes)
+    return Capture(graph_module=gm, graph=graph, phase=phase, owner=owner, module=module, parameter_nodes=parameter_nodes)
 
 
 def _weight_like(graph: torch.fx.Graph, parameter_nodes: dict[str, torch.fx.Node]) -> set[torch.fx.Node]:

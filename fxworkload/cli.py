@@ -1,4 +1,4 @@
-"""Command line: ``fxworkload extract | models | devices``."""
+"""Command line: ``fxworkload extract | profile | compare | calibrate | models | devices``."""
 
 from __future__ import annotations
 
@@ -23,22 +23,50 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     extract = commands.add_parser("extract", help="capture one training step and write the workload tables")
-    extract.add_argument("model", help="built-in name (see 'fxworkload models'), checkpoint folder, or config.json")
-    extract.add_argument("--batch", type=int, default=1, help="micro-batch size (default 1)")
-    extract.add_argument("--seq", type=int, default=None,
-                         help="sequence length (default min(1024, max_position_embeddings))")
-    extract.add_argument("--dtype", default="fp32", help="parameter and activation dtype: fp32, bf16, fp16 (default fp32)")
+    _add_step_arguments(extract, "built-in name (see 'fxworkload models'), checkpoint folder, or config.json")
     extract.add_argument("--grad-dtype", default=None, help="gradient dtype for all-reduce sizes (default: --dtype)")
     extract.add_argument("--device", default=DEFAULT_DEVICE, help=f"device profile (default {DEFAULT_DEVICE}; see 'fxworkload devices')")
     extract.add_argument("--size-unit", choices=["bytes", "elements"], default="bytes",
                          help="unit of the gradient all-reduce sizes in workload.tsv (default bytes)")
+    extract.add_argument("--trace-on", default="cpu",
+                         help="dispatch the traced ops as on cpu or cuda (cuda needs a GPU here; "
+                              "pairs with 'profile --on cuda')")
     extract.add_argument("--out", type=Path, default=None, help="output folder (default outputs/<model>/)")
     extract.add_argument("--top", type=int, default=10, help="costliest nodes listed in the summary (default 10)")
     extract.set_defaults(func=run_extract)
 
+    profile = commands.add_parser("profile", help="run one training step op by op on this machine and time it")
+    _add_step_arguments(profile, "built-in name, checkpoint folder (its weights are loaded), or config.json")
+    profile.add_argument("--on", default="auto", help="where to run: cpu, cuda, or auto = cuda if there is one")
+    profile.add_argument("--repeat", type=int, default=5, help="timed runs; each op's median is kept (default 5)")
+    profile.add_argument("--warmup", type=int, default=2, help="untimed runs first (default 2)")
+    profile.add_argument("--out", type=Path, default=None, help="output folder (default outputs/<model>/)")
+    profile.set_defaults(func=run_profile)
+
+    compare = commands.add_parser("compare", help="compare estimated and measured op times")
+    compare.add_argument("estimated", type=Path, help="workload.json, or the folder holding it")
+    compare.add_argument("measured", type=Path, help="measured.json, or the folder holding it")
+    compare.add_argument("--top", type=int, default=15, help="ops listed, longest measured first (default 15; 0 = all)")
+    compare.add_argument("--plot", type=Path, default=None, help="draw estimated vs measured per op into this PNG")
+    compare.set_defaults(func=run_compare)
+
+    calibrate = commands.add_parser("calibrate", help="measure this machine's device profile")
+    calibrate.add_argument("--on", default="cpu", help="cpu or cuda (default cpu)")
+    calibrate.add_argument("--name", default=None,
+                           help="profile name (default 'cpu'; required with --on cuda, e.g. my-h100)")
+    calibrate.set_defaults(func=run_calibrate)
+
     commands.add_parser("models", help="list the built-in models").set_defaults(func=run_models)
     commands.add_parser("devices", help="list the device profiles").set_defaults(func=run_devices)
     return parser
+
+
+def _add_step_arguments(parser: argparse.ArgumentParser, model_help: str) -> None:
+    """The arguments that define one training step: model, batch, sequence length, dtype."""
+    parser.add_argument("model", help=model_help)
+    parser.add_argument("--batch", type=int, default=1, help="micro-batch size (default 1)")
+    parser.add_argument("--seq", type=int, default=None, help="sequence length (default min(1024, max_position_embeddings))")
+    parser.add_argument("--dtype", default="fp32", help="parameter and activation dtype: fp32, bf16, fp16 (default fp32)")
 
 
 def run_extract(args) -> int:
@@ -46,7 +74,7 @@ def run_extract(args) -> int:
     from .output import json_text, prepare_out_dir, summary_text, tsv_text, write_files
 
     result = extract(args.model, batch=args.batch, seq=args.seq, dtype=args.dtype, grad_dtype=args.grad_dtype,
-                     device=args.device, size_unit=args.size_unit, progress=True)
+                     device=args.device, size_unit=args.size_unit, trace_on=args.trace_on, progress=True)
     out = prepare_out_dir(args.out or Path("outputs") / result.spec.name)
     written = write_files(out, {
         "workload.tsv": tsv_text(result.workload, args.size_unit),
@@ -54,6 +82,51 @@ def run_extract(args) -> int:
     })
     print(summary_text(result.workload, result.settings, top=args.top), end="")
     print("\nwrote " + ", ".join(str(p) for p in written))
+    return 0
+
+
+def run_profile(args) -> int:
+    from .output import measured_json_text, measured_summary_text, prepare_out_dir, tsv_text, write_files
+    from .profile import profile
+
+    result = profile(args.model, batch=args.batch, seq=args.seq, dtype=args.dtype, on=args.on,
+                     repeat=args.repeat, warmup=args.warmup, progress=True)
+    out = prepare_out_dir(args.out or Path("outputs") / result.spec.name)
+    written = write_files(out, {"measured.tsv": tsv_text(result.workload, "bytes", result.op_ns),
+                                "measured.json": measured_json_text(result)})
+    print(measured_summary_text(result), end="")
+    print("\nwrote " + ", ".join(str(p) for p in written))
+    return 0
+
+
+def run_compare(args) -> int:
+    from .compare import compare, load_document, plot, report_text
+
+    comparison = compare(load_document(args.estimated, "workload.json"), load_document(args.measured, "measured.json"))
+    if args.plot is not None:
+        plot(comparison, args.plot)
+    print(report_text(comparison, top=args.top), end="")
+    if args.plot is not None:
+        print(f"\nwrote {args.plot}")
+    return 0
+
+
+def run_calibrate(args) -> int:
+    from . import devices
+    from .calibrate import measure, say
+
+    if args.on != "cpu" and not args.name:
+        raise UserError("--on cuda needs --name NAME for the measured profile (e.g. --name my-h100)")
+    name = args.name or "cpu"
+    if name != "cpu" and (devices.DATA_DIR / f"{name}.json").is_file():
+        raise UserError(f"--name {name} is a shipped datasheet profile; choose another name")
+    profile = measure(args.on, name, progress=say)
+    try:
+        path = devices.save(profile, devices.measured_path(name))
+    except OSError as exc:
+        raise UserError(f"cannot write the profile to {devices.cache_dir()} ({exc.strerror}); "
+                        "set FXWORKLOAD_CACHE_DIR to a writable folder") from None
+    print(f"saved device profile '{name}' to {path}; use it with --device {name}")
     return 0
 
 
@@ -95,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     from transformers.utils import logging as transformers_logging
 
     transformers_logging.set_verbosity_error()
+    transformers_logging.disable_progress_bar()
     warnings.filterwarnings("ignore", module="transformers")
     try:
         args = build_parser().parse_args(argv)

@@ -1,15 +1,15 @@
-"""Device profiles: frozen data, one JSON file per device under ``fxworkload/device_profiles/``, a source per figure.
+"""Device profiles: frozen data, one JSON file per device, a source per figure.
 
-``cpu`` is this machine, measured by a short micro-benchmark on first use and cached.
+Shipped profiles (datasheet peaks) live in ``fxworkload/device_profiles/``. Measured ones, written
+by ``fxworkload calibrate``, live in the cache folder: ``cpu`` (this machine, measured on first use
+if never calibrated) and any GPU profile a user calibrated under a name of their own.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import statistics
 import sys
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -32,19 +32,35 @@ class DeviceProfile:
     memory_efficiency: float  # fraction of the peak bandwidth a kernel reaches
     kernel_launch_ns: float  # added to every op that launches a kernel
     sources: dict[str, str] = field(default_factory=dict)
+    # Measured profiles only; each replaces peak x efficiency where it applies (see roofline.py):
+    # per dtype, [[m, k, n, achieved FLOP/s], ...] over a grid of GEMM shapes;
+    matmul_flops_per_s_by_shape: dict[str, list[list[float]]] = field(default_factory=dict)
+    # [[bytes moved, achieved bytes/s], ...], bytes ascending;
+    memory_bytes_per_s_by_bytes: list[list[float]] = field(default_factory=list)
+    # aten op name -> achieved FLOP/s (FLOPs as fxworkload's per-element rules count them).
+    vector_flops_per_s_by_op: dict[str, float] = field(default_factory=dict)
 
 
 def names() -> list[str]:
-    return sorted([p.stem for p in DATA_DIR.glob("*.json")] + ["cpu"])
+    measured = [p.stem for p in (cache_dir() / "devices").glob("*.json")]
+    return sorted({p.stem for p in DATA_DIR.glob("*.json")} | set(measured) | {"cpu"})
 
 
 def load(name: str) -> DeviceProfile:
     if name == "cpu":
         return cpu_profile()
-    path = DATA_DIR / f"{name}.json"
-    if not path.is_file():
-        raise UserError(f"unknown device '{name}': use one of {', '.join(names())}")
-    return DeviceProfile(**json.loads(path.read_text()))
+    for path in (DATA_DIR / f"{name}.json", measured_path(name)):
+        if path.is_file():
+            return read(path)
+    raise UserError(f"unknown device '{name}': use one of {', '.join(names())}, "
+                    "or measure this machine's GPU with 'fxworkload calibrate --on cuda --name NAME'")
+
+
+def read(path: Path) -> DeviceProfile:
+    try:
+        return DeviceProfile(**json.loads(path.read_text()))
+    except (OSError, ValueError, TypeError) as exc:
+        raise UserError(f"{path}: not a device profile ({exc}); delete it and run 'fxworkload calibrate'") from None
 
 
 def cache_dir() -> Path:
@@ -53,53 +69,32 @@ def cache_dir() -> Path:
     return Path(root)
 
 
+def measured_path(name: str) -> Path:
+    """Where a measured profile is kept; ``cpu`` is keyed by torch version and thread count."""
+    if name == "cpu":
+        name = f"cpu-torch{torch.__version__}-threads{torch.get_num_threads()}"
+    return cache_dir() / "devices" / f"{name}.json"
+
+
+def save(profile: DeviceProfile, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(asdict(profile), indent=2) + "\n")
+    tmp.replace(path)
+    return path
+
+
 def cpu_profile() -> DeviceProfile:
-    """This machine's profile, measured once and then read from the cache."""
-    path = cache_dir() / f"cpu-torch{torch.__version__}-threads{torch.get_num_threads()}.json"
+    """This machine's profile: the one ``fxworkload calibrate`` saved, or measured now and cached."""
+    path = measured_path("cpu")
     if path.is_file():
-        return DeviceProfile(**json.loads(path.read_text()))
-    print("measuring this CPU (matmul throughput, memory bandwidth; once, then cached)...", file=sys.stderr)
-    profile = measure_cpu()
+        return read(path)
+    from .calibrate import measure
+
+    print("measuring this CPU once (run 'fxworkload calibrate' to redo it)...", file=sys.stderr)
+    profile = measure("cpu", "cpu")
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(asdict(profile), indent=2) + "\n")
-        tmp.replace(path)
+        save(profile, path)
     except OSError:
         pass  # an unwritable cache only costs a new measurement next time
     return profile
-
-
-def _median_s(fn, repeat: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def measure_cpu() -> DeviceProfile:
-    n = 1024
-    matmul = {}
-    for dtype_name, dtype in DTYPES.items():
-        a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
-        matmul[dtype_name] = 2 * n ** 3 / _median_s(lambda: torch.mm(a, b), 5)
-    small = torch.randn(1 << 16)  # cache-resident: arithmetic rate, not bandwidth
-    vector = 64 * small.numel() / _median_s(lambda: [small.mul_(1.0) for _ in range(64)], 5)
-    src, dst = torch.randn(1 << 25), torch.empty(1 << 25)  # 128 MiB each
-    bandwidth = 2 * src.numel() * 4 / _median_s(lambda: dst.copy_(src), 5)
-    one = torch.ones(1)
-    launch_ns = 1e9 * _median_s(lambda: [one.add(one) for _ in range(1000)], 5) / 1000
-    how = f"measured on this machine by fxworkload.devices.measure_cpu with {torch.get_num_threads()} threads"
-    return DeviceProfile(
-        name="cpu", description=f"this machine's CPU ({torch.get_num_threads()} threads)",
-        matmul_flops_per_s=matmul, vector_flops_per_s=vector, memory_bytes_per_s=bandwidth,
-        compute_efficiency=1.0, memory_efficiency=1.0, kernel_launch_ns=launch_ns,
-        sources={"matmul_flops_per_s": f"{how}: median of 5 {n}x{n} mm per dtype",
-                 "vector_flops_per_s": f"{how}: in-place multiply of a cache-resident 256 KiB tensor",
-                 "memory_bytes_per_s": f"{how}: 128 MiB copy, read + write bytes",
-                 "kernel_launch_ns": f"{how}: median time of a 1-element add",
-                 "compute_efficiency": "1.0: the rates are measured, not peaks",
-                 "memory_efficiency": "1.0: the bandwidth is measured, not a peak"})

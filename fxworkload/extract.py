@@ -14,6 +14,7 @@ from .capture import capture_training_step
 from .devices import DTYPES, DeviceProfile
 from .errors import UserError
 from .flops import register_transformers_ops
+from .timing import device_for
 from .workload import Workload, build
 
 
@@ -27,32 +28,45 @@ class Extraction:
 
 def extract(model: str, batch: int = 1, seq: int | None = None, dtype: str = "fp32",
             grad_dtype: str | None = None, device: str = "a100-80gb", size_unit: str = "bytes",
-            progress: bool = False) -> Extraction:
-    for name, value in (("batch", batch), ("seq", seq)):
-        if value is not None and value <= 0:
-            raise UserError(f"--{name} must be a positive integer, got {value}")
-    for name, value in (("dtype", dtype), ("grad-dtype", grad_dtype)):
-        if value is not None and value not in DTYPES:
-            raise UserError(f"unknown --{name} '{value}': use one of {', '.join(DTYPES)}")
+            trace_on: str = "cpu", progress: bool = False) -> Extraction:
+    """``trace_on`` is the device whose kernels the graph dispatches to (fused attention differs)."""
     grad_dtype = grad_dtype or dtype
+    check_settings(batch, seq, dtype, grad_dtype)
     profile = devices.load(device)
     spec = models.resolve(model)
-    limit = models.max_positions(spec.config)
-    seq = seq or min(1024, limit or 1024)
-    if limit is not None and seq > limit:
-        raise UserError(f"--seq {seq} exceeds {spec.name}'s max_position_embeddings ({limit}); use a shorter --seq")
+    seq = step_seq(spec, seq)
+    trace_device = device_for(trace_on)
 
     start = time.perf_counter()
     say = (lambda text: print(text, file=sys.stderr, flush=True)) if progress else (lambda text: None)
     say(f"building {spec.name} on the meta device ({dtype})...")
     module = models.build_meta_model(spec, DTYPES[dtype])
     say(f"capturing one training step (batch {batch}, seq {seq})...")
-    capture = capture_training_step(module, batch, seq)
+    capture = capture_training_step(module, batch, seq, device=trace_device.type)
     say(f"captured {len(capture.phase)} ops in {time.perf_counter() - start:.1f} s; costing on {profile.name}...")
     register_transformers_ops()
     workload = build(capture, module, profile, DTYPES[grad_dtype])
     settings = {"model": spec.name, "model_type": spec.config.model_type, "task": spec.task,
                 "batch": batch, "seq": seq, "dtype": dtype, "grad_dtype": grad_dtype, "device": profile.name,
-                "size_unit": size_unit, "fxworkload_version": __version__, "torch_version": torch.__version__,
+                "traced_on": trace_device.type, "size_unit": size_unit, "fxworkload_version": __version__,
+                "torch_version": torch.__version__,
                 "transformers_version": transformers.__version__}
     return Extraction(spec=spec, workload=workload, device=profile, settings=settings)
+
+
+def check_settings(batch: int, seq: int | None, dtype: str, grad_dtype: str | None = None) -> None:
+    for name, value in (("batch", batch), ("seq", seq)):
+        if value is not None and value <= 0:
+            raise UserError(f"--{name} must be a positive integer, got {value}")
+    for name, value in (("dtype", dtype), ("grad-dtype", grad_dtype)):
+        if value is not None and value not in DTYPES:
+            raise UserError(f"unknown --{name} '{value}': use one of {', '.join(DTYPES)}")
+
+
+def step_seq(spec: models.ModelSpec, seq: int | None) -> int:
+    """The sequence length of the step: the one asked for, else min(1024, the model's limit)."""
+    limit = models.max_positions(spec.config)
+    seq = seq or min(1024, limit or 1024)
+    if limit is not None and seq > limit:
+        raise UserError(f"--seq {seq} exceeds {spec.name}'s max_position_embeddings ({limit}); use a shorter --seq")
+    return seq

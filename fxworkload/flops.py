@@ -68,9 +68,11 @@ def _fallback_grouped_mm_backward_flop(input, weight, offs, grad_output, *args, 
 def register_transformers_ops() -> None:
     """transformers registers its fallback grouped GEMM (used for non-bf16 MoE) when imported."""
     ops = getattr(torch.ops, "transformers", None)
-    if ops is not None and hasattr(ops, "grouped_mm_fallback"):
-        EXTRA_FORMULAS[ops.grouped_mm_fallback] = shape_wrapper(_grouped_mm_flop)
-        EXTRA_FORMULAS[ops.grouped_mm_fallback_backward] = shape_wrapper(_fallback_grouped_mm_backward_flop)
+    formulas = {"grouped_mm_fallback": _grouped_mm_flop,
+                "grouped_mm_fallback_backward": _fallback_grouped_mm_backward_flop}
+    for name, formula in formulas.items():
+        if ops is not None and hasattr(ops, name):  # older transformers releases lack the backward op
+            EXTRA_FORMULAS[getattr(ops, name)] = shape_wrapper(formula)
 
 
 @dataclass(frozen=True)
@@ -144,6 +146,15 @@ def op_kind(target, is_alias: bool) -> str:
         return MATMUL
     rule = PER_ELEMENT_RULES.get(op_name(target))
     return rule.kind if rule else OTHER
+
+
+def gemm_shape(target, args) -> tuple[int, int, int] | None:
+    """(m, k, n) of a plain or batched GEMM (per matrix of the batch); None for other ops."""
+    operands = {"mm": (0, 1), "bmm": (0, 1), "addmm": (1, 2), "baddbmm": (1, 2)}.get(op_name(target))
+    if operands is None:
+        return None
+    a, b = args[operands[0]], args[operands[1]]
+    return int(a.shape[-2]), int(a.shape[-1]), int(b.shape[-1])
 
 
 def node_flops(target, args, kwargs, out) -> int | None:

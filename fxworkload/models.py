@@ -32,6 +32,7 @@ class ModelSpec:
     name: str  # the built-in name, or the folder / file name of a local config
     config: PretrainedConfig
     task: str  # CAUSAL_LM or MASKED_LM
+    folder: Path | None = None  # the checkpoint folder, when the argument was one
 
 
 def builtin_names() -> list[str]:
@@ -46,16 +47,16 @@ def resolve(model: str) -> ModelSpec:
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise UserError(f"{model}: folder has no config.json; point at a HuggingFace checkpoint folder")
-        return _spec(path.resolve().name, path / "config.json")
+        return _spec(path.resolve().name, path / "config.json", folder=path)
     if path.is_file():
         return _spec(path.resolve().parent.name if path.name == "config.json" else path.stem, path)
     raise UserError(f"unknown model '{model}': use a checkpoint folder, a config.json, or one of: "
                     + ", ".join(builtin_names()))
 
 
-def _spec(name: str, config_path: Path) -> ModelSpec:
+def _spec(name: str, config_path: Path, folder: Path | None = None) -> ModelSpec:
     config = load_config(config_path)
-    return ModelSpec(name=name, config=config, task=task_of(config))
+    return ModelSpec(name=name, config=config, task=task_of(config), folder=folder)
 
 
 def load_config(config_path: Path) -> PretrainedConfig:
@@ -91,11 +92,15 @@ def task_of(config: PretrainedConfig) -> str:
                     "head in transformers; use a language model")
 
 
+def _auto_class(spec: ModelSpec):
+    spec.config.use_cache = False
+    return AutoModelForCausalLM if spec.task == CAUSAL_LM else AutoModelForMaskedLM
+
+
 def build_meta_model(spec: ModelSpec, dtype: torch.dtype) -> torch.nn.Module:
     """The model with every parameter on the meta device (shapes only, no weight memory), in train mode."""
     config = spec.config
-    config.use_cache = False
-    auto = AutoModelForCausalLM if spec.task == CAUSAL_LM else AutoModelForMaskedLM
+    auto = _auto_class(spec)
     try:
         with torch.device("meta"):
             model = auto.from_config(config, dtype=dtype)
@@ -103,6 +108,49 @@ def build_meta_model(spec: ModelSpec, dtype: torch.dtype) -> torch.nn.Module:
         raise UserError(f"cannot build {spec.name} ({config.model_type}): {_first_line(exc)}; "
                         "check the config's hyper-parameters") from None
     return model.train()
+
+
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json")
+
+
+def has_weights(spec: ModelSpec) -> bool:
+    return spec.folder is not None and any((spec.folder / name).is_file() for name in WEIGHT_FILES)
+
+
+def build_real_model(spec: ModelSpec, dtype: torch.dtype, device: torch.device, seed: int = 0) -> torch.nn.Module:
+    """The model with real tensors, in train mode: the checkpoint's weights if it has any, else random.
+
+    Weights are read from the local folder only. A checkpoint whose tensors do not fit its config
+    (a missing, unexpected or differently shaped tensor) is a UserError naming the first such tensor.
+    """
+    auto = _auto_class(spec)
+    if not has_weights(spec):
+        torch.manual_seed(seed)
+        with torch.device(device):
+            return auto.from_config(spec.config, dtype=dtype).train()
+    try:
+        model, info = auto.from_pretrained(spec.folder, config=spec.config, dtype=dtype, local_files_only=True,
+                                           ignore_mismatched_sizes=True, output_loading_info=True)
+    except (OSError, ValueError, RuntimeError) as exc:
+        raise UserError(f"{spec.folder}: cannot load its weights ({_first_line(exc)}); "
+                        "re-save the checkpoint with save_pretrained") from None
+    _check_loaded(spec, info)
+    return model.to(device).train()
+
+
+def _check_loaded(spec: ModelSpec, info: dict) -> None:
+    problems = [(str(key), "is missing from the checkpoint") for key in info.get("missing_keys", ())]
+    problems += [(str(key), "is in the checkpoint but not in the model its config builds")
+                 for key in info.get("unexpected_keys", ())]
+    for entry in info.get("mismatched_keys", ()):
+        key, *shapes = entry if isinstance(entry, (tuple, list)) else (entry,)
+        saved, built = (list(shape) for shape in shapes) if len(shapes) == 2 else ("?", "?")
+        problems.append((str(key), f"has shape {saved} in the checkpoint but {built} in its config"))
+    if problems:
+        tensor, what = min(problems)
+        raise UserError(f"{spec.folder}: weights do not fit config.json: tensor '{tensor}' {what}; "
+                        "use the config the checkpoint was saved with")
 
 
 def max_positions(config: PretrainedConfig) -> int | None:

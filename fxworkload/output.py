@@ -7,53 +7,71 @@ import os
 import tempfile
 from dataclasses import asdict
 from pathlib import Path
+from typing import Callable
 
 from tabulate import tabulate
 
+from .capture import FORWARD, INPUT_GRAD, WEIGHT_GRAD
 from .errors import UserError
-from .workload import GradRow, NodeRow, Workload
+from .workload import GradRow, NodeRow, OpCost, Workload
 
 TSV_COLUMNS = ["name", "forward_compute_time", "forward_comm_type", "forward_comm_size",
                "backward_compute_time", "backward_comm_type", "backward_comm_size",
                "weight_grad_compute_time", "weight_grad_comm_type", "weight_grad_comm_size", "process_time"]
 GRAD_COMM_TYPE = "ALLREDUCE_ASYNC"
 NO_COMM = "None"
+PHASES = (FORWARD, INPUT_GRAD, WEIGHT_GRAD)
 
 
 def _ms(ns: float) -> str:
     return repr(ns / 1e6)
 
 
-def tsv_text(workload: Workload, size_unit: str) -> str:
+def estimated(op: OpCost) -> float:
+    return op.estimated_ns
+
+
+def tsv_text(workload: Workload, size_unit: str, op_ns: Callable[[OpCost], float] = estimated) -> str:
+    """The 11-column table; node times are ``op_ns`` summed per phase (estimates, or measured medians)."""
     lines = ["\t".join(TSV_COLUMNS)]
     for row in workload.rows:
         if isinstance(row, GradRow):
             size = row.bytes if size_unit == "bytes" else row.elements
             fields = [row.name, "0", NO_COMM, "0", "0", GRAD_COMM_TYPE, str(size), "0", NO_COMM, "0", "0"]
         else:
-            fields = [row.name, _ms(row.forward.estimated_ns), NO_COMM, "0", _ms(row.backward_ns), NO_COMM, "0",
-                      _ms(row.weight_grad_ns), NO_COMM, "0", "0"]
+            forward_ns, input_grad_ns, weight_grad_ns = phase_ns(row, op_ns)
+            fields = [row.name, _ms(forward_ns), NO_COMM, "0", _ms(input_grad_ns), NO_COMM, "0",
+                      _ms(weight_grad_ns), NO_COMM, "0", "0"]
         lines.append("\t".join(fields))
     return "\n".join(lines) + "\n"
 
 
+def phase_ns(row: NodeRow, op_ns: Callable[[OpCost], float]) -> tuple[float, float, float]:
+    return op_ns(row.forward), sum(map(op_ns, row.input_grad)), sum(map(op_ns, row.weight_grad))
+
+
 def json_text(workload: Workload, settings: dict, device_profile: dict) -> str:
+    unruled = sorted({op.op for op in workload.ops() if not op.has_flop_rule})
+    document = {"settings": settings, "device": device_profile, "totals": workload.totals(),
+                "unruled_ops": unruled, "rows": row_documents(workload, "estimated", estimated, asdict)}
+    return json.dumps(document, indent=1) + "\n"
+
+
+def row_documents(workload: Workload, label: str, op_ns: Callable[[OpCost], float],
+                  op_document: Callable[[OpCost], dict]) -> list[dict]:
+    """Every row as a dict; node rows carry their ops, ``<phase>_<label>_ns`` the per-phase sums."""
     rows = []
     for row in workload.rows:
         if isinstance(row, GradRow):
             rows.append({"type": "gradient_allreduce", "comm_type": GRAD_COMM_TYPE, **asdict(row)})
-        else:
-            rows.append({"type": "node", "name": row.name, "module": row.module,
-                         "forward_estimated_ns": row.forward.estimated_ns,
-                         "input_grad_estimated_ns": row.backward_ns,
-                         "weight_grad_estimated_ns": row.weight_grad_ns,
-                         "forward": asdict(row.forward),
-                         "input_grad": [asdict(op) for op in row.input_grad],
-                         "weight_grad": [asdict(op) for op in row.weight_grad]})
-    unruled = sorted({op.op for op in workload.ops() if not op.has_flop_rule})
-    document = {"settings": settings, "device": device_profile, "totals": workload.totals(),
-                "unruled_ops": unruled, "rows": rows}
-    return json.dumps(document, indent=1) + "\n"
+            continue
+        times = phase_ns(row, op_ns)
+        rows.append({"type": "node", "name": row.name, "module": row.module,
+                     **{f"{phase}_{label}_ns": ns for phase, ns in zip(PHASES, times)},
+                     "forward": op_document(row.forward),
+                     "input_grad": [op_document(op) for op in row.input_grad],
+                     "weight_grad": [op_document(op) for op in row.weight_grad]})
+    return rows
 
 
 def prepare_out_dir(out: Path) -> Path:
@@ -66,14 +84,14 @@ def prepare_out_dir(out: Path) -> Path:
     return out
 
 
-def write_files(out: Path, texts: dict[str, str]) -> list[Path]:
+def write_files(out: Path, contents: dict[str, str | bytes]) -> list[Path]:
     """Write every file to a temporary name first, then rename them all: no partial outputs."""
     temps = []
     try:
-        for name, text in texts.items():
+        for name, content in contents.items():
             fd, tmp = tempfile.mkstemp(dir=out, prefix=f".{name}.")
-            with os.fdopen(fd, "w") as f:
-                f.write(text)
+            with os.fdopen(fd, "wb" if isinstance(content, bytes) else "w") as f:
+                f.write(content)
             os.chmod(tmp, 0o666 & ~_umask())
             temps.append((Path(tmp), out / name))
         for tmp, final in temps:
@@ -117,3 +135,40 @@ def summary_text(workload: Workload, settings: dict, top: int = 10) -> str:
         f"The {len(top_rows)} costliest nodes (estimated ms):\n" + tabulate(
             top_rows, headers=["name", "op", "forward", "input_grad", "weight_grad", "total"], tablefmt="simple"),
     ]) + "\n"
+
+
+def measured_json_text(measurement) -> str:
+    """measured.json: the rows of workload.json, each op with its measured median and spread."""
+    def op_document(op: OpCost) -> dict:
+        document = {k: v for k, v in asdict(op).items() if k not in ("estimated_ns", "has_flop_rule")}
+        timing = measurement.timings[op.fx_name]
+        return {**document, "measured_ns": timing.median_ns, "measured_min_ns": timing.min_ns,
+                "measured_max_ns": timing.max_ns}
+
+    document = {"settings": measurement.settings, "verification": measurement.verification,
+                "totals": measured_totals(measurement),
+                "rows": row_documents(measurement.workload, "measured", measurement.op_ns, op_document)}
+    return json.dumps(document, indent=1) + "\n"
+
+
+def measured_totals(measurement) -> dict:
+    totals = {f"{phase}_measured_ns": sum(map(measurement.op_ns, measurement.workload.ops(phase))) for phase in PHASES}
+    totals["step_measured_ns"] = sum(totals.values())
+    totals["eager_step_ns"] = measurement.eager_step_ns
+    return totals
+
+
+def measured_summary_text(measurement) -> str:
+    totals = measured_totals(measurement)
+    settings, check = measurement.settings, measurement.verification
+    key_figures = [["model", f"{settings['model']} ({settings['weights']})"],
+                   ["device", f"{settings['device']}, timed with {settings['timer']}"],
+                   ["batch x seq, dtype", f"{settings['batch']} x {settings['seq']}, {settings['dtype']}"],
+                   ["runs", f"{settings['warmup']} warm-up + {settings['repeat']} timed; medians per op"],
+                   ["vs eager loss.backward()", f"loss {check['graph_loss']:.6f} = {check['eager_loss']:.6f}; "
+                    f"largest gradient difference {check['max_gradient_relative_difference']:.1e} (relative)"]]
+    phases = [[phase, f"{totals[f'{phase}_measured_ns'] / 1e6:.3f}"] for phase in PHASES]
+    phases.append(["step (sum of ops)", f"{totals['step_measured_ns'] / 1e6:.3f}"])
+    phases.append(["eager step (wall)", f"{totals['eager_step_ns'] / 1e6:.3f}"])
+    return "\n\n".join([tabulate(key_figures, tablefmt="simple"),
+                        tabulate(phases, headers=["phase", "measured_ms"], tablefmt="simple")]) + "\n"

@@ -1,8 +1,10 @@
 """Bytes one op moves through memory: every tensor it reads plus every tensor it writes.
 
-Aliasing ops (views, reshapes, getitem of a multi-output op, detach) move 0 bytes, and so do
-allocations that no kernel fills (``empty``). Sizes are logical: numel × element size of each
-tensor as the op sees it (a broadcast input is counted at its broadcast size).
+Gather ops (embedding, index_select, gather, index) read only the rows they gather, so their
+source table counts at the output's size, not its own. Aliasing ops (views, reshapes, getitem of
+a multi-output op, detach) move 0 bytes, and so do allocations that no kernel fills (``empty``).
+Sizes are logical: numel × element size of each tensor as the op sees it (a broadcast input is
+counted at its broadcast size).
 """
 
 from __future__ import annotations
@@ -25,7 +27,15 @@ def tensor_bytes(tree) -> int:
     return sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor))
 
 
+# op name -> index of the argument rows are gathered from
+GATHER_SOURCE = {"embedding": 0, "index_select": 0, "gather": 0, "index": 0}
+
+
 def bytes_moved(target, args, kwargs, out) -> int:
     if is_alias(target):
         return 0
+    source = GATHER_SOURCE.get(target.overloadpacket.__name__)
+    if source is not None and isinstance(args[source], torch.Tensor):
+        others = [a for i, a in enumerate(args) if i != source]
+        return tensor_bytes((others, kwargs)) + 2 * tensor_bytes(out)
     return tensor_bytes((args, kwargs)) + tensor_bytes(out)

@@ -92,7 +92,8 @@ class Workload:
         return out
 
 
-def build(capture: Capture, model: torch.nn.Module, device: DeviceProfile, grad_dtype: torch.dtype) -> Workload:
+def build(capture: Capture, model: torch.nn.Module, device: DeviceProfile | None, grad_dtype: torch.dtype) -> Workload:
+    """The table of one captured step; with no device, every estimated time is 0 (rows and sizes only)."""
     costs = {node: cost_of(node, phase, device) for node, phase in capture.phase.items()}
     forward_nodes = [n for n, phase in capture.phase.items() if phase == FORWARD]
     main_ops = _main_ops(forward_nodes, capture.module, costs, model)
@@ -115,7 +116,7 @@ def build(capture: Capture, model: torch.nn.Module, device: DeviceProfile, grad_
                     gradient_bytes=total_elements * _itemsize(grad_dtype))
 
 
-def cost_of(node: torch.fx.Node, phase: str, device: DeviceProfile) -> OpCost:
+def cost_of(node: torch.fx.Node, phase: str, device: DeviceProfile | None) -> OpCost:
     args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
     out = node.meta.get("val")
     alias = is_alias(node.target)
@@ -125,12 +126,15 @@ def cost_of(node: torch.fx.Node, phase: str, device: DeviceProfile) -> OpCost:
     inputs = [t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
     outputs = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
     dtype = next((t.dtype for t in inputs + outputs if t.dtype.is_floating_point), None)
+    uses_matmul_units = kind in (flop_rules.MATMUL, flop_rules.ATTENTION)
     return OpCost(
         fx_name=node.name, op=_op_string(node.target), kind=kind, phase=phase,
         input_shapes=[list(t.shape) for t in inputs], input_dtypes=[_dtype_name(t.dtype) for t in inputs],
         output_shapes=[list(t.shape) for t in outputs], output_dtypes=[_dtype_name(t.dtype) for t in outputs],
         flops=flops or 0, bytes=nbytes,
-        estimated_ns=estimate_ns(flops or 0, nbytes, kind in (flop_rules.MATMUL, flop_rules.ATTENTION), dtype, device),
+        estimated_ns=estimate_ns(flops or 0, nbytes, dtype, device, uses_matmul_units=uses_matmul_units,
+                                 op_name=flop_rules.op_name(node.target),
+                                 gemm=flop_rules.gemm_shape(node.target, args)) if device else 0.0,
         has_flop_rule=alias or flops is not None)
 
 

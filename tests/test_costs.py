@@ -48,9 +48,10 @@ def test_views_move_nothing_and_take_no_time(gpt2):
 
 
 def test_every_traced_op_lands_in_exactly_one_row(gpt2, tiny_dirs):
+    import torch
+
     from fxworkload import models
     from fxworkload.capture import capture_training_step
-    import torch
 
     module = models.build_meta_model(models.resolve(str(tiny_dirs["gpt2"])), torch.float32)
     capture = capture_training_step(module, B, S)
@@ -72,10 +73,36 @@ def test_roofline_by_hand():
                            memory_efficiency=0.5, kernel_launch_ns=1000.0)
     import torch
     # compute-bound GEMM in bf16: 4e9 FLOPs / (4e12 · 0.5) = 2 ms
-    assert estimate_ns(4_000_000_000, 1_000, True, torch.bfloat16, device) == pytest.approx(1000 + 2e6)
+    assert estimate_ns(4_000_000_000, 1_000, torch.bfloat16, device, uses_matmul_units=True) \
+        == pytest.approx(1000 + 2e6)
     # memory-bound elementwise: 1e6 bytes / (1e11 · 0.5) = 20 us
-    assert estimate_ns(1_000, 1_000_000, False, torch.float32, device) == pytest.approx(1000 + 2e4)
-    assert estimate_ns(0, 0, False, torch.float32, device) == 0
+    assert estimate_ns(1_000, 1_000_000, torch.float32, device, uses_matmul_units=False) == pytest.approx(1000 + 2e4)
+    assert estimate_ns(0, 0, torch.float32, device, uses_matmul_units=False) == 0
+
+
+def test_measured_profile_curves_interpolate_log_linearly_by_hand():
+    """A GEMM grid and a bandwidth curve replace the flat rates; between points, log-log interpolation."""
+    import torch
+    grid = [[m, k, n, 1e9 * (4 if m == 100 else 1)] for m in (10, 100) for k in (10, 100) for n in (10, 100)]
+    device = DeviceProfile(name="t", description="", matmul_flops_per_s={"fp32": 4e9, "bf16": 1, "fp16": 1},
+                           vector_flops_per_s=1e9, memory_bytes_per_s=1e12, compute_efficiency=1.0,
+                           memory_efficiency=1.0, kernel_launch_ns=0.0, matmul_flops_per_s_by_shape={"fp32": grid},
+                           memory_bytes_per_s_by_bytes=[[1e3, 1e9], [1e5, 1e11]],
+                           vector_flops_per_s_by_op={"tanh": 1e8})
+    # m = sqrt(10 · 100) lies halfway in log space: rate = exp((ln 1e9 + ln 4e9) / 2) = 2e9
+    flops = 10_000_000
+    assert estimate_ns(flops, 1, torch.float32, device, uses_matmul_units=True, gemm=(10 ** 1.5, 50, 50)) \
+        == pytest.approx(1e9 * flops / 2e9)
+    # beyond the grid the rate is held: m = 1000 uses the m = 100 rate, 4e9
+    assert estimate_ns(flops, 1, torch.float32, device, uses_matmul_units=True, gemm=(1000, 100, 100)) \
+        == pytest.approx(1e9 * flops / 4e9)
+    # bandwidth at 1e4 bytes, halfway between 1e3 and 1e5 in log space: 1e10 bytes/s -> 1 us
+    assert estimate_ns(0, 10_000, torch.float32, device, uses_matmul_units=False) == pytest.approx(1e3)
+    # a per-op vector rate wins over the generic one: 1e6 FLOPs of tanh at 1e8/s = 10 ms
+    assert estimate_ns(1_000_000, 1, torch.float32, device, uses_matmul_units=False, op_name="tanh") \
+        == pytest.approx(1e7)
+    assert estimate_ns(1_000_000, 1, torch.float32, device, uses_matmul_units=False, op_name="exp") \
+        == pytest.approx(1e6)
 
 
 def test_shipped_device_profiles_cite_a_source_for_every_figure():
@@ -85,3 +112,12 @@ def test_shipped_device_profiles_cite_a_source_for_every_figure():
                        "memory_efficiency", "kernel_launch_ns"):
             assert profile.sources.get(figure), (name, figure)
     assert load("a100-80gb").matmul_flops_per_s["bf16"] == 312e12  # dense, not the 624 sparse figure
+
+
+def test_gather_ops_read_only_the_rows_they_gather():
+    """An embedding lookup reads the indices and one table row per output row, not the whole table."""
+    import torch
+
+    from fxworkload.traffic import bytes_moved
+    table, ids, out = torch.empty(50_000, 16), torch.zeros(2, 3, dtype=torch.long), torch.empty(2, 3, 16)
+    assert bytes_moved(torch.ops.aten.embedding.default, (table, ids), {}, out) == 6 * 8 + 2 * (6 * 16 * 4)
