@@ -1,29 +1,37 @@
-"""Wall time and peak RSS of extraction (capture + costing + table text), one fresh process per case.
+"""Wall time and peak RSS of extraction, one fresh process per run (issue 5's figures).
 
-    .venv/bin/python bench/extract.py            # gpt2 B=8 S=1024 fp32, llama-3-70b B=1 S=4096 bf16
+    .venv/bin/python bench/extract.py            # the cases, the layer sweep and re-costing
     .venv/bin/python bench/extract.py --repeat 3 # median of 3 runs per case
 
-Wall time is measured in-process after imports; peak RSS is the child's ru_maxrss.
+Wall time is measured in-process after imports (model resolution, capture, costing and the text
+of both tables); peak RSS is the child's ru_maxrss. Every run but the re-costing one bypasses the
+graph cache, so it captures. Re-costing reads the step llama-3-70b's first run cached and costs
+it on another device.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 CASES = [("gpt2", 8, 1024, "fp32"), ("llama-3-70b", 1, 4096, "bf16")]
+SWEEP_MODEL, SWEEP_LAYERS = "llama-3-70b", (8, 16, 32, 64, 80)
 
 CHILD = """
 import json, resource, time, sys
+from dataclasses import asdict
 from fxworkload.extract import extract
 from fxworkload.output import tsv_text, json_text
-from dataclasses import asdict
-model, batch, seq, dtype = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+model, batch, seq, dtype, device, use_cache, every_layer = sys.argv[1:8]
 start = time.perf_counter()
-result = extract(model, batch=batch, seq=seq, dtype=dtype)
+result = extract(model, batch=int(batch), seq=int(seq), dtype=dtype, device=device, use_cache=use_cache == "1",
+                 every_layer=every_layer == "1")
 tsv = tsv_text(result.workload, "bytes")
 doc = json_text(result.workload, result.settings, asdict(result.device))
 wall = time.perf_counter() - start
@@ -32,21 +40,50 @@ print(json.dumps({"wall_s": wall, "peak_rss_mb": resource.getrusage(resource.RUS
 """
 
 
+def run(model, batch, seq, dtype, repeat, device="a100-80gb", use_cache=False, every_layer=False, env=None):
+    runs = []
+    for _ in range(repeat):
+        out = subprocess.run([sys.executable, "-c", CHILD, model, str(batch), str(seq), dtype, device,
+                              "1" if use_cache else "0", "1" if every_layer else "0"],
+                             capture_output=True, text=True, check=True, env=env)
+        runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    return (statistics.median(r["wall_s"] for r in runs), max(r["peak_rss_mb"] for r in runs),
+            runs[0]["rows"], runs[0]["ops"])
+
+
+def line(case, wall, rss, rows, ops):
+    print(f"{case:52s} {wall:8.2f} {rss:12.0f} {rows:7d} {ops:7d}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=1)
+    parser.add_argument("--every-layer", action="store_true", help="also time the full trace of each case")
     args = parser.parse_args()
-    print(f"{'case':40s} {'wall_s (median)':>16s} {'peak_rss_mb':>12s} {'rows':>7s} {'ops':>7s}")
+    header = f"{'case':52s} {'wall_s':>8s} {'peak_rss_mb':>12s} {'rows':>7s} {'ops':>7s}"
+    print(header)
     for model, batch, seq, dtype in CASES:
-        runs = []
-        for _ in range(args.repeat):
-            out = subprocess.run([sys.executable, "-c", CHILD, model, str(batch), str(seq), dtype],
-                                 capture_output=True, text=True, check=True)
-            runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
-        wall = statistics.median(r["wall_s"] for r in runs)
-        rss = max(r["peak_rss_mb"] for r in runs)
-        case = f"{model} B={batch} S={seq} {dtype}"
-        print(f"{case:40s} {wall:16.2f} {rss:12.0f} {runs[0]['rows']:7d} {runs[0]['ops']:7d}", flush=True)
+        line(f"{model} B={batch} S={seq} {dtype}", *run(model, batch, seq, dtype, args.repeat))
+        if args.every_layer:
+            line(f"{model} B={batch} S={seq} {dtype}, every layer traced",
+                 *run(model, batch, seq, dtype, args.repeat, every_layer=True))
+
+    print(f"\nlayer sweep: {SWEEP_MODEL} B=1 S=4096 bf16 with its layer count changed")
+    print(header)
+    config = json.loads((Path(__file__).resolve().parent.parent / "models" / SWEEP_MODEL / "config.json").read_text())
+    with tempfile.TemporaryDirectory() as tmp:
+        for layers in SWEEP_LAYERS:
+            folder = Path(tmp) / f"{SWEEP_MODEL}-{layers}"
+            folder.mkdir()
+            (folder / "config.json").write_text(json.dumps({**config, "num_hidden_layers": layers}))
+            line(f"{layers} layers", *run(str(folder), 1, 4096, "bf16", args.repeat))
+
+        print(f"\nre-costing a cached step: {SWEEP_MODEL} B=1 S=4096 bf16")
+        print(header)
+        env = {**os.environ, "FXWORKLOAD_CACHE_DIR": str(Path(tmp) / "cache")}
+        line("first run (captures, fills the cache)", *run(SWEEP_MODEL, 1, 4096, "bf16", 1, use_cache=True, env=env))
+        line("again on h100-sxm (reads the cache)",
+             *run(SWEEP_MODEL, 1, 4096, "bf16", args.repeat, device="h100-sxm", use_cache=True, env=env))
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ Each node of the returned graph is labelled with
 
 from __future__ import annotations
 
+import bisect
 import collections
 import contextlib
 from dataclasses import dataclass
@@ -180,6 +181,15 @@ def _label(gm: torch.fx.GraphModule, parameter_nodes: dict[str, torch.fx.Node]) 
     for node in forward:  # the first forward node with a sequence number is the op that created it
         creator.setdefault(node.meta.get("seq_nr", -1), node)
     last_forward = forward[-1]
+    numbers = sorted(creator)
+
+    def creator_of(seq_nr: int) -> torch.fx.Node:
+        """An autograd node no forward op carries the number of (the in-place update of a view
+        makes one) belongs to the next forward op, the in-place op that made it."""
+        if seq_nr in creator:
+            return creator[seq_nr]
+        i = bisect.bisect_left(numbers, seq_nr)
+        return creator[numbers[i]] if i < len(numbers) else last_forward
 
     owner: dict[torch.fx.Node, torch.fx.Node] = {}
     pending: list[torch.fx.Node] = []
@@ -188,7 +198,7 @@ def _label(gm: torch.fx.GraphModule, parameter_nodes: dict[str, torch.fx.Node]) 
         if seq_nr is None:
             pending.append(node)
             continue
-        owner[node] = creator.get(seq_nr, last_forward)
+        owner[node] = creator_of(seq_nr)
         for waiting in pending:
             owner[waiting] = owner[node]
         pending.clear()

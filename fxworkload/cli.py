@@ -31,6 +31,10 @@ def build_parser() -> argparse.ArgumentParser:
     extract.add_argument("--trace-on", default="cpu",
                          help="dispatch the traced ops as on cpu or cuda (cuda needs a GPU here; "
                               "pairs with 'profile --on cuda')")
+    extract.add_argument("--no-cache", action="store_true",
+                         help="capture again even if this step was captured before (and do not cache it)")
+    extract.add_argument("--every-layer", action="store_true",
+                         help="trace every decoder layer instead of one layer standing for all identical ones")
     extract.add_argument("--out", type=Path, default=None, help="output folder (default outputs/<model>/)")
     extract.add_argument("--top", type=int, default=10, help="costliest nodes listed in the summary (default 10)")
     extract.set_defaults(func=run_extract)
@@ -65,16 +69,21 @@ def _add_step_arguments(parser: argparse.ArgumentParser, model_help: str) -> Non
     """The arguments that define one training step: model, batch, sequence length, dtype."""
     parser.add_argument("model", help=model_help)
     parser.add_argument("--batch", type=int, default=1, help="micro-batch size (default 1)")
-    parser.add_argument("--seq", type=int, default=None, help="sequence length (default min(1024, max_position_embeddings))")
-    parser.add_argument("--dtype", default="fp32", help="parameter and activation dtype: fp32, bf16, fp16 (default fp32)")
+    parser.add_argument("--seq", type=int, default=None,
+                        help="sequence length (default min(1024, max_position_embeddings))")
+    parser.add_argument("--dtype", default="fp32",
+                        help="parameter and activation dtype: fp32, bf16, fp16 (default fp32)")
 
 
 def run_extract(args) -> int:
     from .extract import extract
-    from .output import json_text, prepare_out_dir, summary_text, tsv_text, write_files
+    from .output import check_out_dir, json_text, prepare_out_dir, summary_text, tsv_text, write_files
 
+    if args.out is not None:
+        check_out_dir(args.out)
     result = extract(args.model, batch=args.batch, seq=args.seq, dtype=args.dtype, grad_dtype=args.grad_dtype,
-                     device=args.device, size_unit=args.size_unit, trace_on=args.trace_on, progress=True)
+                     device=args.device, size_unit=args.size_unit, trace_on=args.trace_on,
+                     use_cache=not args.no_cache, every_layer=args.every_layer, progress=True)
     out = prepare_out_dir(args.out or Path("outputs") / result.spec.name)
     written = write_files(out, {
         "workload.tsv": tsv_text(result.workload, args.size_unit),
@@ -86,9 +95,12 @@ def run_extract(args) -> int:
 
 
 def run_profile(args) -> int:
-    from .output import measured_json_text, measured_summary_text, prepare_out_dir, tsv_text, write_files
+    from .output import (check_out_dir, measured_json_text, measured_summary_text, prepare_out_dir, tsv_text,
+                         write_files)
     from .profile import profile
 
+    if args.out is not None:
+        check_out_dir(args.out)
     result = profile(args.model, batch=args.batch, seq=args.seq, dtype=args.dtype, on=args.on,
                      repeat=args.repeat, warmup=args.warmup, progress=True)
     out = prepare_out_dir(args.out or Path("outputs") / result.spec.name)

@@ -9,13 +9,14 @@ from dataclasses import dataclass
 import torch
 import transformers
 
-from . import __version__, devices, models
+from . import __version__, devices, graph_cache, models
 from .capture import capture_training_step
 from .devices import DTYPES, DeviceProfile
 from .errors import UserError
 from .flops import register_transformers_ops
+from .layers import SHORT_LAYERS, fast_workload
 from .timing import device_for
-from .workload import Workload, build
+from .workload import Workload, build, recost
 
 
 @dataclass
@@ -28,30 +29,52 @@ class Extraction:
 
 def extract(model: str, batch: int = 1, seq: int | None = None, dtype: str = "fp32",
             grad_dtype: str | None = None, device: str = "a100-80gb", size_unit: str = "bytes",
-            trace_on: str = "cpu", progress: bool = False) -> Extraction:
-    """``trace_on`` is the device whose kernels the graph dispatches to (fused attention differs)."""
+            trace_on: str = "cpu", use_cache: bool = True, every_layer: bool = False,
+            progress: bool = False) -> Extraction:
+    """``trace_on`` is the device whose kernels the graph dispatches to (fused attention differs);
+    ``every_layer`` traces all layers even where one layer could stand for all (see layers.py)."""
     grad_dtype = grad_dtype or dtype
     check_settings(batch, seq, dtype, grad_dtype)
     profile = devices.load(device)
     spec = models.resolve(model)
     seq = step_seq(spec, seq)
     trace_device = device_for(trace_on)
+    say = (lambda text: print(text, file=sys.stderr, flush=True)) if progress else (lambda text: None)
 
     start = time.perf_counter()
-    say = (lambda text: print(text, file=sys.stderr, flush=True)) if progress else (lambda text: None)
-    say(f"building {spec.name} on the meta device ({dtype})...")
-    module = models.build_meta_model(spec, DTYPES[dtype])
-    say(f"capturing one training step (batch {batch}, seq {seq})...")
-    capture = capture_training_step(module, batch, seq, device=trace_device.type)
-    say(f"captured {len(capture.phase)} ops in {time.perf_counter() - start:.1f} s; costing on {profile.name}...")
-    register_transformers_ops()
-    workload = build(capture, module, profile, DTYPES[grad_dtype])
+    cache_key = graph_cache.key(spec.config, spec.task, batch, seq, dtype, grad_dtype, trace_device.type)
+    workload = graph_cache.load(cache_key) if use_cache else None
+    if workload is not None:
+        say(f"read the captured step from the cache ({graph_cache.path_of(cache_key)})")
+    else:
+        workload = _capture(spec, batch, seq, dtype, grad_dtype, trace_device.type, every_layer, say)
+        say(f"captured {len(workload.ops())} ops in {time.perf_counter() - start:.1f} s")
+        if use_cache:
+            graph_cache.save(cache_key, workload)
+    say(f"costing on {profile.name}...")
+    workload = recost(workload, profile)
     settings = {"model": spec.name, "model_type": spec.config.model_type, "task": spec.task,
                 "batch": batch, "seq": seq, "dtype": dtype, "grad_dtype": grad_dtype, "device": profile.name,
                 "traced_on": trace_device.type, "size_unit": size_unit, "fxworkload_version": __version__,
                 "torch_version": torch.__version__,
                 "transformers_version": transformers.__version__}
     return Extraction(spec=spec, workload=workload, device=profile, settings=settings)
+
+
+def _capture(spec, batch, seq, dtype, grad_dtype, trace_device, every_layer, say) -> Workload:
+    say(f"building {spec.name} on the meta device ({dtype})...")
+    module = models.build_meta_model(spec, DTYPES[dtype])
+    register_transformers_ops()
+    if not every_layer and spec.config.num_hidden_layers > max(SHORT_LAYERS):
+        say(f"capturing one training step (batch {batch}, seq {seq}) of 4- and 5-layer copies...")
+        workload = fast_workload(spec, module, batch, seq, DTYPES[dtype], DTYPES[grad_dtype], trace_device)
+        if workload is not None:
+            return workload
+        say("its layers differ: capturing every layer...")
+    else:
+        say(f"capturing one training step (batch {batch}, seq {seq}), every layer...")
+    capture = capture_training_step(module, batch, seq, device=trace_device)
+    return build(capture, module, None, DTYPES[grad_dtype])
 
 
 def check_settings(batch: int, seq: int | None, dtype: str, grad_dtype: str | None = None) -> None:

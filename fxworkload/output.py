@@ -53,8 +53,12 @@ def phase_ns(row: NodeRow, op_ns: Callable[[OpCost], float]) -> tuple[float, flo
 def json_text(workload: Workload, settings: dict, device_profile: dict) -> str:
     unruled = sorted({op.op for op in workload.ops() if not op.has_flop_rule})
     document = {"settings": settings, "device": device_profile, "totals": workload.totals(),
-                "unruled_ops": unruled, "rows": row_documents(workload, "estimated", estimated, asdict)}
+                "unruled_ops": unruled, "rows": row_documents(workload, "estimated", estimated, op_document)}
     return json.dumps(document, indent=1) + "\n"
+
+
+def op_document(op: OpCost) -> dict:
+    return {k: v for k, v in asdict(op).items() if k != "fx_name"}
 
 
 def row_documents(workload: Workload, label: str, op_ns: Callable[[OpCost], float],
@@ -72,6 +76,16 @@ def row_documents(workload: Workload, label: str, op_ns: Callable[[OpCost], floa
                      "input_grad": [op_document(op) for op in row.input_grad],
                      "weight_grad": [op_document(op) for op in row.weight_grad]})
     return rows
+
+
+def check_out_dir(out: Path) -> None:
+    """Fail before any work if ``out`` cannot become a writable folder (nothing is created)."""
+    existing = out
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        reason = "a file is in the way" if existing.exists() and not existing.is_dir() else "not writable"
+        raise UserError(f"cannot write to output folder {out} ({reason}: {existing}); choose another --out")
 
 
 def prepare_out_dir(out: Path) -> Path:
@@ -139,15 +153,15 @@ def summary_text(workload: Workload, settings: dict, top: int = 10) -> str:
 
 def measured_json_text(measurement) -> str:
     """measured.json: the rows of workload.json, each op with its measured median and spread."""
-    def op_document(op: OpCost) -> dict:
-        document = {k: v for k, v in asdict(op).items() if k not in ("estimated_ns", "has_flop_rule")}
+    def measured_op(op: OpCost) -> dict:
+        document = {k: v for k, v in op_document(op).items() if k not in ("estimated_ns", "has_flop_rule")}
         timing = measurement.timings[op.fx_name]
         return {**document, "measured_ns": timing.median_ns, "measured_min_ns": timing.min_ns,
                 "measured_max_ns": timing.max_ns}
 
     document = {"settings": measurement.settings, "verification": measurement.verification,
                 "totals": measured_totals(measurement),
-                "rows": row_documents(measurement.workload, "measured", measurement.op_ns, op_document)}
+                "rows": row_documents(measurement.workload, "measured", measurement.op_ns, measured_op)}
     return json.dumps(document, indent=1) + "\n"
 
 

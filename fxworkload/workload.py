@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections import defaultdict
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -15,7 +16,7 @@ from .traffic import bytes_moved, is_alias
 
 @dataclass(frozen=True)
 class OpCost:
-    fx_name: str
+    fx_name: str  # the node's name in its captured graph (internal: not written, it numbers ops globally)
     op: str  # aten overload, e.g. aten.addmm.default
     kind: str  # matmul, attention, elementwise, norm, reduction, data_movement, view, other
     phase: str  # forward, input_grad, weight_grad
@@ -27,6 +28,7 @@ class OpCost:
     bytes: int
     estimated_ns: float
     has_flop_rule: bool
+    gemm_mkn: tuple[int, int, int] | None = None  # m, k, n of a plain or batched GEMM, for the roofline
 
 
 @dataclass
@@ -97,8 +99,8 @@ def build(capture: Capture, model: torch.nn.Module, device: DeviceProfile | None
     costs = {node: cost_of(node, phase, device) for node, phase in capture.phase.items()}
     forward_nodes = [n for n, phase in capture.phase.items() if phase == FORWARD]
     main_ops = _main_ops(forward_nodes, capture.module, costs, model)
-    rows = {n: NodeRow(name=_row_name(n, main_ops), module=capture.module[n], forward=costs[n])
-            for n in forward_nodes}
+    names = _row_names(forward_nodes, capture.module, main_ops)
+    rows = {n: NodeRow(name=names[n], module=capture.module[n], forward=costs[n]) for n in forward_nodes}
     _dedupe_names(list(rows.values()))
     for node, owner in capture.owner.items():
         row = rows[owner]
@@ -116,6 +118,37 @@ def build(capture: Capture, model: torch.nn.Module, device: DeviceProfile | None
                     gradient_bytes=total_elements * _itemsize(grad_dtype))
 
 
+def recost(workload: Workload, device: DeviceProfile) -> Workload:
+    """The same table with every op's time estimated on ``device``; shared ops are costed once."""
+    costed: dict[int, OpCost] = {}
+
+    def cost(op: OpCost) -> OpCost:
+        if id(op) not in costed:
+            costed[id(op)] = replace(op, estimated_ns=op_estimate_ns(op, device))
+        return costed[id(op)]
+
+    rows = [row if isinstance(row, GradRow) else NodeRow(
+        name=row.name, module=row.module, forward=cost(row.forward),
+        input_grad=[cost(op) for op in row.input_grad], weight_grad=[cost(op) for op in row.weight_grad])
+        for row in workload.rows]
+    return Workload(rows=rows, parameter_count=workload.parameter_count, gradient_bytes=workload.gradient_bytes)
+
+
+def op_estimate_ns(op: OpCost, device: DeviceProfile) -> float:
+    dtype = next((_DTYPES[name] for name in op.input_dtypes + op.output_dtypes if name in _DTYPES), None)
+    return estimate_ns(op.flops, op.bytes, dtype, device, uses_matmul_units=op.kind in (flop_rules.MATMUL,
+                       flop_rules.ATTENTION), op_name=_base_name(op.op), gemm=op.gemm_mkn)
+
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+
+
+def _base_name(op: str) -> str:
+    """``addmm`` for aten.addmm.default, ``getitem`` for getitem."""
+    parts = op.split(".")
+    return parts[-2] if len(parts) >= 3 else op
+
+
 def cost_of(node: torch.fx.Node, phase: str, device: DeviceProfile | None) -> OpCost:
     args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
     out = node.meta.get("val")
@@ -125,17 +158,13 @@ def cost_of(node: torch.fx.Node, phase: str, device: DeviceProfile | None) -> Op
     kind = flop_rules.op_kind(node.target, alias)
     inputs = [t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
     outputs = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
-    dtype = next((t.dtype for t in inputs + outputs if t.dtype.is_floating_point), None)
-    uses_matmul_units = kind in (flop_rules.MATMUL, flop_rules.ATTENTION)
-    return OpCost(
+    op = OpCost(
         fx_name=node.name, op=_op_string(node.target), kind=kind, phase=phase,
         input_shapes=[list(t.shape) for t in inputs], input_dtypes=[_dtype_name(t.dtype) for t in inputs],
         output_shapes=[list(t.shape) for t in outputs], output_dtypes=[_dtype_name(t.dtype) for t in outputs],
-        flops=flops or 0, bytes=nbytes,
-        estimated_ns=estimate_ns(flops or 0, nbytes, dtype, device, uses_matmul_units=uses_matmul_units,
-                                 op_name=flop_rules.op_name(node.target),
-                                 gemm=flop_rules.gemm_shape(node.target, args)) if device else 0.0,
-        has_flop_rule=alias or flops is not None)
+        flops=flops or 0, bytes=nbytes, estimated_ns=0.0, has_flop_rule=alias or flops is not None,
+        gemm_mkn=flop_rules.gemm_shape(node.target, args))
+    return replace(op, estimated_ns=op_estimate_ns(op, device)) if device else op
 
 
 def _main_ops(forward_nodes, module_of, costs, model) -> dict[torch.fx.Node, str]:
@@ -155,8 +184,21 @@ def _main_ops(forward_nodes, module_of, costs, model) -> dict[torch.fx.Node, str
     return {node: path for path, node in best.items() if costs[node].bytes > 0}
 
 
-def _row_name(node: torch.fx.Node, main_ops: dict[torch.fx.Node, str]) -> str:
-    return main_ops[node].replace(".", "_") if node in main_ops else node.name
+def _row_names(forward_nodes, module_of, main_ops) -> dict[torch.fx.Node, str]:
+    """A module's main op is named after the module; its other ops after the module and the op,
+    numbered within the module (``transformer_h_0_attn_view_2``), so names never depend on the
+    ops of other layers."""
+    seen: dict[str, int] = defaultdict(int)
+    names = {}
+    for node in forward_nodes:
+        if node in main_ops:
+            names[node] = main_ops[node].replace(".", "_")
+            continue
+        module = module_of[node]
+        base = (module.replace(".", "_") + "_" if module else "") + flop_rules.op_name(node.target)
+        names[node] = base if seen[base] == 0 else f"{base}_{seen[base]}"
+        seen[base] += 1
+    return names
 
 
 def _dedupe_names(rows: list[NodeRow]) -> None:

@@ -109,12 +109,12 @@ def test_compare_sums_and_errors_by_hand(tiny_dirs, measured_gpt2):
 
 def test_compare_rejects_another_model_or_other_settings(tiny_dirs, measured_gpt2):
     estimated, measured = _documents(tiny_dirs, measured_gpt2, seq=8)
-    with pytest.raises(UserError, match=r"row 1 'view' does not match: its forward aten.view.default reads shapes "
+    with pytest.raises(UserError, match=r"row 1 'transformer_view' does not match: its forward aten.view.default reads shapes "
                                         r"\[\[2, 8\]\] estimated but \[\[2, 16\]\] measured"):
         compare(estimated, measured)
     other = extract(str(tiny_dirs["llama"]), batch=2, seq=16)
     with pytest.raises(UserError, match=r"row 1 does not match: estimated has 'model_embed_tokens', "
-                                        r"measured has 'view'"):
+                                        r"measured has 'transformer_view'"):
         compare(json.loads(json_text(other.workload, other.settings, {})), measured)
 
 
