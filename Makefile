@@ -22,6 +22,7 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python bench/extract.py
 	$(BIN)/python bench/accuracy.py
+	$(BIN)/python bench/coverage.py
 
 clean:
 	rm -rf $(VENV) outputs/*/

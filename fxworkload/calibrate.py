@@ -30,6 +30,7 @@ from .timing import Clock, describe, device_for
 aten = torch.ops.aten
 GEMM_DIMS = (64, 256, 1024, 4096, 32768)
 MAX_GEMM_SECONDS = 0.05
+ALWAYS_TIMED_FLOPS = 2 * 256 ** 3  # small shapes are timed even if an early, noisy sample predicts them slow
 VECTOR_ELEMENTS = 1 << 20
 
 
@@ -90,7 +91,7 @@ def _gemm_table(clock: Clock, dtype: torch.dtype, launch_ns: float) -> list[list
     table, rate = [], None
     for m, k, n in sorted(itertools.product(GEMM_DIMS, repeat=3), key=lambda s: s[0] * s[1] * s[2]):
         flops = 2 * m * k * n
-        if rate is not None and flops / rate > MAX_GEMM_SECONDS:
+        if flops > ALWAYS_TIMED_FLOPS and rate is not None and flops / rate > MAX_GEMM_SECONDS:
             continue  # predicted from the shapes so far: too slow to be worth timing
         a = torch.randn(m, k, device=clock.device).to(dtype)
         b = torch.randn(k, n, device=clock.device).to(dtype)

@@ -252,5 +252,7 @@ def _blocker(exc: BaseException) -> str:
     text = " ".join(str(exc).split())
     if "data-dependent" in text or "_local_scalar_dense" in text:
         return "data-dependent control flow (a Python branch on tensor values) in the model code"
+    if type(exc).__name__ == "DynamicOutputShapeException":
+        return f"an op whose output shape depends on tensor values ({text}) in the model code"
     return f"{type(exc).__name__}: {text[:300]}"
 

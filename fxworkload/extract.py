@@ -65,7 +65,7 @@ def _capture(spec, batch, seq, dtype, grad_dtype, trace_device, every_layer, say
     say(f"building {spec.name} on the meta device ({dtype})...")
     module = models.build_meta_model(spec, DTYPES[dtype])
     register_transformers_ops()
-    if not every_layer and spec.config.num_hidden_layers > max(SHORT_LAYERS):
+    if not every_layer and (getattr(spec.config, "num_hidden_layers", None) or 0) > max(SHORT_LAYERS):
         say(f"capturing one training step (batch {batch}, seq {seq}) of 4- and 5-layer copies...")
         workload = fast_workload(spec, module, batch, seq, DTYPES[dtype], DTYPES[grad_dtype], trace_device)
         if workload is not None:

@@ -53,7 +53,14 @@ def _grouped_mm_flop(mat_a, mat_b, *args, out_shape=None, **kwargs) -> int:
     return 2 * prod(out_shape) * mat_a[-1]
 
 
+def _triangular_solve_flop(a, b, *args, out_shape=None, **kwargs) -> int:
+    """Solving A·X = B with A n×n triangular and B n×k: n²·k multiply-adds halved, so n²·k FLOPs per matrix."""
+    n, k = a[-1], b[-1]
+    return prod(out_shape[:-2]) * n * n * k
+
+
 EXTRA_FORMULAS = {
+    aten.linalg_solve_triangular: shape_wrapper(_triangular_solve_flop),
     aten._scaled_dot_product_flash_attention_for_cpu: shape_wrapper(_sdpa_cpu_flop),
     aten._scaled_dot_product_flash_attention_for_cpu_backward: shape_wrapper(_sdpa_cpu_backward_flop),
     aten._grouped_mm: shape_wrapper(_grouped_mm_flop),
@@ -92,7 +99,12 @@ PER_ELEMENT_RULES: dict[str, Rule] = {
     **_rules(ELEMENTWISE, 1, "add add_ sub sub_ rsub mul mul_ div div_ neg reciprocal rsqrt sqrt pow exp "
              "log tanh sigmoid abs where maximum minimum clamp clamp_min clamp_max masked_fill "
              "masked_fill_ bernoulli_ native_dropout lt le gt ge eq ne logical_not bitwise_not "
-             "bitwise_and bitwise_or cos sin erf triu tril fill_ lerp addcmul sign floor_divide remainder"),
+             "bitwise_and bitwise_or cos sin erf triu tril fill_ lerp addcmul sign floor_divide remainder "
+             "relu relu_ floor ceil round log1p expm1 sgn logical_and logical_and_ logical_or logical_or_ "
+             "uniform_ normal_ exponential_ rand_like randn_like clamp_ erfinv"),
+    # softplus log(1 + exp(x)) and log-sigmoid: exp, add, log; their backwards about as much
+    **_rules(ELEMENTWISE, 3, "softplus softplus_backward log_sigmoid_forward log_sigmoid_backward"),
+    **_rules(ELEMENTWISE, 2, "polar"),
     **_rules(ELEMENTWISE, 2, "tanh_backward sigmoid_backward threshold_backward native_dropout_backward"),
     # silu = x·sigmoid(x); gelu (erf or tanh form) about 8 ops per element
     **_rules(ELEMENTWISE, 4, "silu silu_"),
@@ -110,12 +122,14 @@ PER_ELEMENT_RULES: dict[str, Rule] = {
     **_rules(REDUCTION, 1, "sum mean amax max min argmax var_mean var std cumsum logsumexp "
              "nll_loss_forward nll_loss_backward histc topk sort", basis="input"),
     # embedding backward accumulates one add per element of the incoming gradient
-    **_rules(REDUCTION, 1, "embedding_dense_backward scatter_add index_add index_put index_put_", basis="input"),
+    **_rules(REDUCTION, 1, "embedding_dense_backward scatter_add scatter_add_ index_add index_put index_put_",
+             basis="input"),
+    **_rules(REDUCTION, 2, "linalg_vector_norm", basis="input"),  # square and add per element
     **_rules(DATA_MOVEMENT, 0, "embedding index gather scatter clone copy copy_ _to_copy cat stack "
              "constant_pad_nd repeat repeat_interleave contiguous new_zeros zeros zeros_like ones "
              "ones_like full full_like arange scalar_tensor slice_scatter select_scatter "
              "index_select masked_select _unsafe_index lift_fresh_copy new_ones new_full slice_backward "
-             "select_backward"),
+             "select_backward flip scatter_ eye"),
 }
 
 

@@ -73,10 +73,10 @@ def load_config(config_path: Path) -> PretrainedConfig:
     if model_type not in CONFIG_MAPPING:
         raise UserError(f"{config_path}: model_type '{model_type}' is unknown to this transformers "
                         "version; use a supported architecture or upgrade transformers")
-    try:
-        return CONFIG_MAPPING[model_type].from_dict(data)
-    except (TypeError, ValueError) as exc:
-        raise UserError(f"{config_path}: invalid {model_type} config ({exc}); fix the file") from None
+    try:  # from_json_file decodes what save_pretrained encodes (infinite floats)
+        return CONFIG_MAPPING[model_type].from_json_file(config_path)
+    except Exception as exc:  # transformers' validators raise their own error classes
+        raise UserError(f"{config_path}: invalid {model_type} config ({_first_line(exc)}); fix the file") from None
 
 
 def task_of(config: PretrainedConfig) -> str:
@@ -104,7 +104,7 @@ def build_meta_model(spec: ModelSpec, dtype: torch.dtype) -> torch.nn.Module:
     try:
         with torch.device("meta"):
             model = auto.from_config(config, dtype=dtype)
-    except (ValueError, TypeError, AttributeError, RuntimeError) as exc:
+    except Exception as exc:  # the model's own constructor, whatever it raises
         raise UserError(f"cannot build {spec.name} ({config.model_type}): {_first_line(exc)}; "
                         "check the config's hyper-parameters") from None
     return model.train()
@@ -154,7 +154,9 @@ def _check_loaded(spec: ModelSpec, info: dict) -> None:
 
 
 def max_positions(config: PretrainedConfig) -> int | None:
-    return getattr(config, "max_position_embeddings", None)
+    """The longest sequence the model takes; None where the config sets no limit (XLNet's -1)."""
+    limit = getattr(config, "max_position_embeddings", None)
+    return limit if isinstance(limit, int) and limit > 0 else None
 
 
 def trainable_parameter_count(model: torch.nn.Module) -> int:
@@ -163,5 +165,6 @@ def trainable_parameter_count(model: torch.nn.Module) -> int:
 
 
 def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__
+    """The message on one line (validators spread theirs over several), at most 300 characters."""
+    text = " ".join(str(exc).split())
+    return text[:300] if text else type(exc).__name__

@@ -51,6 +51,25 @@ def test_checkpoint_folder_extracts_the_same_table_as_its_config(tiny_dirs, tmp_
     assert (tmp_path / "a" / "workload.tsv").read_bytes() == (tmp_path / "b" / "workload.tsv").read_bytes()
 
 
+def test_a_data_dependent_branch_is_named_not_a_traceback(tmp_path):
+    """XLM checks a tensor's maximum in a Python branch: tracing stops there, and the CLI says so."""
+    from transformers import CONFIG_MAPPING
+    CONFIG_MAPPING["xlm"](n_layers=2, emb_dim=64, n_heads=4, vocab_size=96, max_position_embeddings=64,
+                          is_decoder=True).save_pretrained(tmp_path / "xlm")
+    run = fxworkload("extract", tmp_path / "xlm", "--seq", 8, "--out", tmp_path / "out")
+    assert run.returncode == 2 and "Traceback" not in run.stderr
+    assert "cannot trace a training step of this model: data-dependent control flow" in run.stderr.splitlines()[-1]
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_config_without_a_position_limit_takes_any_seq():
+    from transformers import CONFIG_MAPPING
+
+    from fxworkload.models import max_positions
+    assert max_positions(CONFIG_MAPPING["xlnet"]()) is None  # XLNet's max_position_embeddings is -1
+    assert max_positions(tiny_config("gpt2")) == 64
+
+
 def test_models_lists_every_built_in_with_its_parameter_count():
     run = fxworkload("models")
     assert run.returncode == 0

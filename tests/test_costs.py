@@ -121,3 +121,18 @@ def test_gather_ops_read_only_the_rows_they_gather():
     from fxworkload.traffic import bytes_moved
     table, ids, out = torch.empty(50_000, 16), torch.zeros(2, 3, dtype=torch.long), torch.empty(2, 3, 16)
     assert bytes_moved(torch.ops.aten.embedding.default, (table, ids), {}, out) == 6 * 8 + 2 * (6 * 16 * 4)
+
+
+def test_rules_added_for_the_coverage_architectures_by_hand():
+    import torch
+
+    from fxworkload.flops import node_flops, op_kind
+    aten = torch.ops.aten
+    a, b = torch.randn(3, 5, 5), torch.randn(3, 5, 2)
+    solved = torch.linalg.solve_triangular(a, b, upper=True)
+    # 3 triangular 5x5 systems with 2 right-hand sides: n^2 k = 50 FLOPs each
+    assert node_flops(aten.linalg_solve_triangular.default, (a, b), {"upper": True}, solved) == 3 * 5 * 5 * 2
+    assert op_kind(aten.linalg_solve_triangular.default, False) == "matmul"
+    x = torch.randn(4, 6)
+    assert node_flops(aten.softplus.default, (x,), {}, x) == 3 * 24
+    assert node_flops(aten.flip.default, (x, [0]), {}, x) == 0
