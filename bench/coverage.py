@@ -7,7 +7,8 @@ attention layer in hybrids that interleave 3 linear-attention layers with it; th
 the defaults, which cost nothing on the meta device and keep every dimension consistent), with
 is_decoder set where the config has it (these are causal LMs), and the few sizes some default
 configs leave None though every checkpoint sets them (head_dim, KV heads, expert counts) filled
-with the usual values; saved with save_pretrained and extracted (B=1, S=32) in this process. Prints one line per architecture (ok, or the one-line reason) and the share ok.
+with the usual values; saved with save_pretrained and extracted (B=1, S=32) in this process.
+Prints one line per architecture (ok, or the one-line reason) and the share ok.
 
     .venv/bin/python bench/coverage.py [--markdown] [--only llama,gpt2] [--timeout 120]
 """

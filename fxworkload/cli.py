@@ -77,7 +77,14 @@ def _add_step_arguments(parser: argparse.ArgumentParser, model_help: str) -> Non
 
 def run_extract(args) -> int:
     from .extract import extract
-    from .output import check_out_dir, json_text, prepare_out_dir, summary_text, tsv_text, write_files
+    from .output import (
+        check_out_dir,
+        json_text,
+        prepare_out_dir,
+        summary_text,
+        tsv_text,
+        write_files,
+    )
 
     if args.out is not None:
         check_out_dir(args.out)
@@ -95,8 +102,14 @@ def run_extract(args) -> int:
 
 
 def run_profile(args) -> int:
-    from .output import (check_out_dir, measured_json_text, measured_summary_text, prepare_out_dir, tsv_text,
-                         write_files)
+    from .output import (
+        check_out_dir,
+        measured_json_text,
+        measured_summary_text,
+        prepare_out_dir,
+        tsv_text,
+        write_files,
+    )
     from .profile import profile
 
     if args.out is not None:
