@@ -77,49 +77,45 @@ def _add_step_arguments(parser: argparse.ArgumentParser, model_help: str) -> Non
 
 def run_extract(args) -> int:
     from .extract import extract
-    from .output import (
-        check_out_dir,
-        json_text,
-        prepare_out_dir,
-        summary_text,
-        tsv_text,
-        write_files,
-    )
+    from .output import json_text, summary_text, tsv_text
 
-    if args.out is not None:
-        check_out_dir(args.out)
+    _check_out(args)
     result = extract(args.model, batch=args.batch, seq=args.seq, dtype=args.dtype, grad_dtype=args.grad_dtype,
                      device=args.device, size_unit=args.size_unit, trace_on=args.trace_on,
                      use_cache=not args.no_cache, every_layer=args.every_layer, progress=True)
-    out = prepare_out_dir(args.out or Path("outputs") / result.spec.name)
-    written = write_files(out, {
+    return _publish(args, result.spec.name, summary_text(result.workload, result.settings, top=args.top), {
         "workload.tsv": tsv_text(result.workload, args.size_unit),
         "workload.json": json_text(result.workload, result.settings, asdict(result.device)),
     })
-    print(summary_text(result.workload, result.settings, top=args.top), end="")
-    print("\nwrote " + ", ".join(str(p) for p in written))
-    return 0
 
 
 def run_profile(args) -> int:
-    from .output import (
-        check_out_dir,
-        measured_json_text,
-        measured_summary_text,
-        prepare_out_dir,
-        tsv_text,
-        write_files,
-    )
+    from .output import measured_json_text, measured_summary_text, tsv_text
     from .profile import profile
+
+    _check_out(args)
+    result = profile(args.model, batch=args.batch, seq=args.seq, dtype=args.dtype, on=args.on,
+                     repeat=args.repeat, warmup=args.warmup, progress=True)
+    return _publish(args, result.spec.name, measured_summary_text(result), {
+        "measured.tsv": tsv_text(result.workload, "bytes", result.op_ns),
+        "measured.json": measured_json_text(result),
+    })
+
+
+def _check_out(args) -> None:
+    """Before any work: an --out that cannot be written is an error now, not after minutes."""
+    from .output import check_out_dir
 
     if args.out is not None:
         check_out_dir(args.out)
-    result = profile(args.model, batch=args.batch, seq=args.seq, dtype=args.dtype, on=args.on,
-                     repeat=args.repeat, warmup=args.warmup, progress=True)
-    out = prepare_out_dir(args.out or Path("outputs") / result.spec.name)
-    written = write_files(out, {"measured.tsv": tsv_text(result.workload, "bytes", result.op_ns),
-                                "measured.json": measured_json_text(result)})
-    print(measured_summary_text(result), end="")
+
+
+def _publish(args, model_name: str, summary: str, files: dict[str, str]) -> int:
+    """Write the files (all or none) into --out or outputs/<model>/, then print the summary."""
+    from .output import prepare_out_dir, write_files
+
+    written = write_files(prepare_out_dir(args.out or Path("outputs") / model_name), files)
+    print(summary, end="")
     print("\nwrote " + ", ".join(str(p) for p in written))
     return 0
 

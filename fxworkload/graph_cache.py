@@ -2,12 +2,14 @@
 
 What is cached is the device-free table (rows, ops with FLOPs, bytes, shapes; no times), keyed by
 everything that shapes it: the model config, task, batch, seq, dtype, gradient dtype, the device
-the trace dispatched for, and the fxworkload, torch and transformers versions. Entries are pickles
+the trace dispatched for, the fxworkload, torch and transformers versions, and a hash of this
+package's own source (so a changed FLOP rule never reads a stale entry). Entries are pickles
 written by this package into the user's own cache folder.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -25,9 +27,18 @@ from .workload import Workload
 def key(config, task: str, batch: int, seq: int, dtype: str, grad_dtype: str, trace_device: str) -> str:
     material = json.dumps({"config": config.to_dict(), "task": task, "batch": batch, "seq": seq, "dtype": dtype,
                            "grad_dtype": grad_dtype, "trace_device": trace_device, "fxworkload": __version__,
-                           "torch": torch.__version__, "transformers": transformers.__version__},
+                           "torch": torch.__version__, "transformers": transformers.__version__,
+                           "code": _code_hash()},
                           sort_keys=True, default=str)
     return hashlib.sha256(material.encode()).hexdigest()[:32]
+
+
+@functools.cache
+def _code_hash() -> str:
+    digest = hashlib.sha256()
+    for source in sorted(Path(__file__).resolve().parent.glob("*.py")):
+        digest.update(source.name.encode() + source.read_bytes())
+    return digest.hexdigest()
 
 
 def path_of(cache_key: str) -> Path:
