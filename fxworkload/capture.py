@@ -28,6 +28,7 @@ from .errors import UserError
 FORWARD = "forward"
 INPUT_GRAD = "input_grad"
 WEIGHT_GRAD = "weight_grad"
+PHASES = (FORWARD, INPUT_GRAD, WEIGHT_GRAD)
 
 # Keys of node.meta["custom"], which the fx tracer copies from the current meta onto every new node.
 _PHASE_KEY = "fxworkload_phase"

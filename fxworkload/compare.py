@@ -18,10 +18,9 @@ from pathlib import Path
 
 from tabulate import tabulate
 
+from .capture import PHASES
 from .errors import UserError
-
-PHASES = ("forward", "input_grad", "weight_grad")
-KINDS = ("matmul", "attention", "elementwise", "norm", "reduction", "data_movement", "view", "other")
+from .flops import KINDS
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ REDUCTION = "reduction"
 DATA_MOVEMENT = "data_movement"
 VIEW = "view"
 OTHER = "other"
+KINDS = (MATMUL, ATTENTION, ELEMENTWISE, NORM, REDUCTION, DATA_MOVEMENT, VIEW, OTHER)
 
 
 def _sdpa_cpu_flop(query, key, value, *args, out_shape=None, **kwargs) -> int:

@@ -11,7 +11,7 @@ from typing import Callable
 
 from tabulate import tabulate
 
-from .capture import FORWARD, INPUT_GRAD, WEIGHT_GRAD
+from .capture import PHASES
 from .errors import UserError
 from .workload import GradRow, NodeRow, OpCost, Workload
 
@@ -20,7 +20,6 @@ TSV_COLUMNS = ["name", "forward_compute_time", "forward_comm_type", "forward_com
                "weight_grad_compute_time", "weight_grad_comm_type", "weight_grad_comm_size", "process_time"]
 GRAD_COMM_TYPE = "ALLREDUCE_ASYNC"
 NO_COMM = "None"
-PHASES = (FORWARD, INPUT_GRAD, WEIGHT_GRAD)
 
 
 def _ms(ns: float) -> str:

@@ -135,12 +135,10 @@ def recost(workload: Workload, device: DeviceProfile) -> Workload:
 
 
 def op_estimate_ns(op: OpCost, device: DeviceProfile) -> float:
-    dtype = next((_DTYPES[name] for name in op.input_dtypes + op.output_dtypes if name in _DTYPES), None)
+    dtype = next((getattr(torch, name) for name in op.input_dtypes + op.output_dtypes
+                  if getattr(torch, name).is_floating_point), None)
     return estimate_ns(op.flops, op.bytes, dtype, device, uses_matmul_units=op.kind in (flop_rules.MATMUL,
                        flop_rules.ATTENTION), op_name=_base_name(op.op), gemm=op.gemm_mkn)
-
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 
 def _base_name(op: str) -> str:
