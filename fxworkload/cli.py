@@ -35,6 +35,10 @@ def build_parser() -> argparse.ArgumentParser:
                          help="capture again even if this step was captured before (and do not cache it)")
     extract.add_argument("--every-layer", action="store_true",
                          help="trace every decoder layer instead of one layer standing for all identical ones")
+    extract.add_argument("--format", default="tables",
+                         help="what to write, comma-separated: tables (workload.tsv, workload.json), "
+                              "simai (workload.simai.txt), chrome-trace (workload.trace.json); default tables")
+    _add_parallel_arguments(extract)
     extract.add_argument("--out", type=Path, default=None, help="output folder (default outputs/<model>/)")
     extract.add_argument("--top", type=int, default=10, help="costliest nodes listed in the summary (default 10)")
     extract.set_defaults(func=run_extract)
@@ -75,18 +79,77 @@ def _add_step_arguments(parser: argparse.ArgumentParser, model_help: str) -> Non
                         help="parameter and activation dtype: fp32, bf16, fp16 (default fp32)")
 
 
+def _add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("parallel training (Megatron-LM layout; world = dp x tp x pp)")
+    group.add_argument("--dp", type=int, default=1, help="data-parallel replicas (default 1)")
+    group.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (default 1)")
+    group.add_argument("--pp", type=int, default=1, help="pipeline stages (default 1)")
+    group.add_argument("--ep", type=int, default=1, help="expert-parallel ranks, a divisor of --dp (default 1)")
+    group.add_argument("--sp", action="store_true", help="sequence parallelism over the tensor-parallel group")
+    group.add_argument("--micro-batches", type=int, default=1,
+                       help="micro-batches per step, each of --batch sequences (default 1)")
+    group.add_argument("--zero", type=int, default=0, help="ZeRO stage 0-3 (default 0: plain all-reduce)")
+    group.add_argument("--bucket-mb", type=float, default=25.0,
+                       help="gradient bucket cap in MiB (default 25, as PyTorch DDP; 0 = one per parameter group)")
+    group.add_argument("--pp-layers", default=None,
+                       help="decoder layers per stage, comma-separated (default: balanced)")
+    group.add_argument("--stage", type=int, default=0, help="pipeline stage whose rank the SimAI file and trace describe")
+    group.add_argument("--vocab-multiple", type=int, default=1,
+                       help="pad the vocabulary to a multiple of this x tp, as Megatron-LM's "
+                            "--make-vocab-size-divisible-by (default 1: no padding)")
+
+
+FORMATS = ("tables", "simai", "chrome-trace")
+
+
+def _parallel(args):
+    from .parallel import Parallel
+
+    try:
+        pp_layers = tuple(int(x) for x in args.pp_layers.split(",")) if args.pp_layers else None
+    except ValueError:
+        raise UserError(f"--pp-layers must be comma-separated integers, got '{args.pp_layers}'") from None
+    return Parallel(dp=args.dp, tp=args.tp, pp=args.pp, ep=args.ep, sp=args.sp, micro_batches=args.micro_batches,
+                    zero=args.zero, bucket_mb=args.bucket_mb, pp_layers=pp_layers, stage=args.stage,
+                    vocab_multiple=args.vocab_multiple)
+
+
+def _formats(text: str) -> list[str]:
+    formats = [f.strip() for f in text.split(",") if f.strip()]
+    unknown = [f for f in formats if f not in FORMATS]
+    if unknown or not formats:
+        raise UserError(f"unknown --format '{','.join(unknown) or text}': use one or more of {', '.join(FORMATS)}")
+    return formats
+
+
 def run_extract(args) -> int:
     from .extract import extract
-    from .output import json_text, summary_text, tsv_text
+    from .output import json_text, rank_summary_text, summary_text, tsv_text
 
+    formats = _formats(args.format)
+    parallel = _parallel(args)
     _check_out(args)
+    if "chrome-trace" in formats:
+        from . import devices
+        from .chrome_trace import check_device
+        check_device(devices.load(args.device))
     result = extract(args.model, batch=args.batch, seq=args.seq, dtype=args.dtype, grad_dtype=args.grad_dtype,
                      device=args.device, size_unit=args.size_unit, trace_on=args.trace_on,
-                     use_cache=not args.no_cache, every_layer=args.every_layer, progress=True)
-    return _publish(args, result.spec.name, summary_text(result.workload, result.settings, top=args.top), {
-        "workload.tsv": tsv_text(result.workload, args.size_unit),
-        "workload.json": json_text(result.workload, result.settings, asdict(result.device)),
-    })
+                     use_cache=not args.no_cache, every_layer=args.every_layer, progress=True, parallel=parallel)
+    files = {}
+    if "tables" in formats:
+        files["workload.tsv"] = tsv_text(result.workload, args.size_unit)
+        files["workload.json"] = json_text(result.workload, result.settings, asdict(result.device))
+    if "simai" in formats:
+        from . import simai
+        files["workload.simai.txt"] = simai.text(simai.from_rank(result.rank))
+    if "chrome-trace" in formats:
+        from .chrome_trace import trace_json
+        files["workload.trace.json"] = trace_json(result.rank, result.device)
+    summary = summary_text(result.workload, result.settings, top=args.top)
+    if parallel.world > 1 or formats != ["tables"]:
+        summary += "\n" + rank_summary_text(result.rank)
+    return _publish(args, result.spec.name, summary, files)
 
 
 def run_profile(args) -> int:

@@ -31,6 +31,10 @@ class DeviceProfile:
     compute_efficiency: float  # fraction of the peak FLOP rate a kernel reaches
     memory_efficiency: float  # fraction of the peak bandwidth a kernel reaches
     kernel_launch_ns: float  # added to every op that launches a kernel
+    # Interconnect, for collective times in timelines; 0 = unknown (CPU and measured profiles):
+    intra_node_bytes_per_s: float = 0.0  # one GPU's NVLink bandwidth, one direction
+    inter_node_bytes_per_s: float = 0.0  # one GPU's share of the node's network bandwidth, one direction
+    gpus_per_node: int = 8
     sources: dict[str, str] = field(default_factory=dict)
     # Measured profiles only; each replaces peak x efficiency where it applies (see roofline.py):
     # per dtype, [[m, k, n, achieved FLOP/s], ...] over a grid of GEMM shapes;

@@ -24,9 +24,12 @@ from .devices import cache_dir
 from .workload import Workload
 
 
-def key(config, task: str, batch: int, seq: int, dtype: str, grad_dtype: str, trace_device: str) -> str:
+def key(config, task: str, batch: int, seq: int, dtype: str, grad_dtype: str, trace_device: str,
+        shards: tuple[int, int] = (1, 1)) -> str:
+    """``shards``: the tensor- and expert-parallel degrees the traced model was split by."""
     material = json.dumps({"config": config.to_dict(), "task": task, "batch": batch, "seq": seq, "dtype": dtype,
-                           "grad_dtype": grad_dtype, "trace_device": trace_device, "fxworkload": __version__,
+                           "grad_dtype": grad_dtype, "trace_device": trace_device, "shards": list(shards),
+                           "fxworkload": __version__,
                            "torch": torch.__version__, "transformers": transformers.__version__,
                            "code": _code_hash()},
                           sort_keys=True, default=str)

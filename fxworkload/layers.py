@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import re
+from collections.abc import Callable
 
 import torch
 
@@ -30,13 +31,15 @@ _SKIPPED_ATTRIBUTES = re.compile(r"layer_idx|layer_id|layer_number|layer_index|t
 
 
 def fast_workload(spec: models.ModelSpec, model: torch.nn.Module, batch: int, seq: int, dtype: torch.dtype,
-                  grad_dtype: torch.dtype, trace_device: str = "cpu") -> Workload | None:
-    """The device-free table of the full model from 4- and 5-layer captures, or None if layers differ."""
+                  grad_dtype: torch.dtype, trace_device: str = "cpu",
+                  prepare: Callable[[torch.nn.Module], torch.nn.Module] = lambda m: m) -> Workload | None:
+    """The device-free table of the full model from 4- and 5-layer captures, or None if layers differ.
+    ``prepare`` turns each freshly built short model into what is traced (one parallel rank's share)."""
     layers = spec.config.num_hidden_layers
     stack = layer_stack(model, layers)
     if layers <= max(SHORT_LAYERS) or stack is None or not homogeneous(model.get_submodule(stack)):
         return None
-    tables = [_short_table(spec, n, stack, batch, seq, dtype, grad_dtype, trace_device) for n in SHORT_LAYERS]
+    tables = [_short_table(spec, n, stack, batch, seq, dtype, grad_dtype, trace_device, prepare) for n in SHORT_LAYERS]
     if any(table is None for table in tables) or not _consistent(tables, stack):
         return None
     prefix, blocks, suffix = tables[0]
@@ -48,10 +51,10 @@ def fast_workload(spec: models.ModelSpec, model: torch.nn.Module, batch: int, se
                     gradient_bytes=elements * torch.empty((), dtype=grad_dtype).element_size())
 
 
-def _short_table(spec, layers, stack, batch, seq, dtype, grad_dtype, trace_device):
+def _short_table(spec, layers, stack, batch, seq, dtype, grad_dtype, trace_device, prepare):
     short_spec = models.ModelSpec(name=spec.name, config=_short_config(spec.config, layers), task=spec.task,
                                   folder=spec.folder)
-    short_model = models.build_meta_model(short_spec, dtype)
+    short_model = prepare(models.build_meta_model(short_spec, dtype))
     capture = capture_training_step(short_model, batch, seq, device=trace_device)
     return _split(build(capture, short_model, None, grad_dtype).rows, stack, layers)
 
@@ -101,10 +104,12 @@ def _short_config(config, layers: int):
     return short
 
 
-def _layer_of(module: str, stack: str) -> int | None:
-    if not module.startswith(stack + "."):
+def layer_of(module: str, stack: str | None) -> int | None:
+    """The index of the decoder layer a module path lies in, or None outside the layers."""
+    if not stack or not module.startswith(stack + "."):
         return None
-    return int(module[len(stack) + 1:].split(".")[0])
+    index = module[len(stack) + 1:].split(".", 1)[0]
+    return int(index) if index.isdigit() else None
 
 
 def _split(rows: list, stack: str, layers: int):
@@ -112,7 +117,7 @@ def _split(rows: list, stack: str, layers: int):
     prefix, blocks, suffix = [], [[] for _ in range(layers)], []
     current = -1
     for row in rows:
-        layer = _layer_of(row.module, stack)
+        layer = layer_of(row.module, stack)
         if layer is None:
             if current == -1:
                 prefix.append(row)

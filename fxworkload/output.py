@@ -150,6 +150,30 @@ def summary_text(workload: Workload, settings: dict, top: int = 10) -> str:
     ]) + "\n"
 
 
+def rank_summary_text(rank) -> str:
+    """One rank's layer-level view: compute per micro-batch and the bytes of each kind of collective."""
+    from .capture import PHASES
+
+    p = rank.parallel
+    units = [u for u in rank.units if u.block != "dp"]
+    comm_bytes: dict[str, int] = {}
+    for unit in rank.units:
+        for phase in PHASES:
+            for comm in unit.comms[phase]:
+                key = f"{comm.type} over {comm.group}"
+                comm_bytes[key] = comm_bytes.get(key, 0) + comm.bytes
+    lines = [["rank", f"stage {p.stage} of {p.pp}, layers {rank.layers.start}-{rank.layers.stop - 1}, "
+                      f"tp {p.tp}, dp {p.dp}, ep {p.ep}, sp {'on' if p.sp else 'off'}, zero {p.zero}"],
+             ["world size", f"{p.world}"],
+             ["units (layer-level rows)", f"{len(units)}"],
+             *([f"{phase} estimated ms per micro-batch", f"{sum(u.ns(phase) for u in units) / 1e6:.3f}"]
+               for phase in PHASES),
+             ["pipeline send bytes", f"{rank.pp_comm_bytes:,}"]]
+    lines += [[f"{key} bytes (dp: per step; others: per micro-batch)", f"{value:,}"]
+              for key, value in sorted(comm_bytes.items())]
+    return tabulate(lines, tablefmt="simple") + "\n"
+
+
 def measured_json_text(measurement) -> str:
     """measured.json: the rows of workload.json, each op with its measured median and spread."""
     def measured_op(op: OpCost) -> dict:

@@ -1,0 +1,108 @@
+"""Layer-level units of a per-node workload: the granularity of SimAI rows and of the trace timeline.
+
+A unit is the embedding, one tensor-parallel block of a decoder layer (attention, MLP) or the
+head (final norm, output projection, loss). A block runs from the end of the previous one to the
+last op of its row-parallel projection, the point where Megatron-LM reduces its output. Without
+a tensor-parallel plan a layer is one unit. The gradient rows of a unit's parameters travel with it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .capture import FORWARD, INPUT_GRAD, WEIGHT_GRAD
+from .layers import layer_of
+from .workload import GradRow, NodeRow, Workload
+
+EMBEDDING, ATTENTION, MLP, LAYER, HEAD = "embedding", "attention", "mlp", "layer", "head"
+
+
+@dataclass(frozen=True)
+class Comm:
+    type: str  # ALLREDUCE, ALLGATHER, REDUCESCATTER, ALLTOALL
+    group: str  # tp, ep, dp or dp_ep
+    bytes: int  # the collective's whole buffer, as SimAI and NCCL count it
+    what: str  # why it happens, for timelines
+
+
+@dataclass
+class Unit:
+    name: str
+    block: str  # EMBEDDING, ATTENTION, MLP, LAYER, HEAD, or "dp" for a data-parallel row
+    layer: int | None = None
+    rows: list[NodeRow] = field(default_factory=list)
+    grads: list[GradRow] = field(default_factory=list)
+    moe: bool = False
+    comms: dict[str, list[Comm]] = field(default_factory=lambda: {FORWARD: [], INPUT_GRAD: [], WEIGHT_GRAD: []})
+
+    def ops(self, phase: str) -> list:
+        if phase == FORWARD:
+            return [row.forward for row in self.rows]
+        return [op for row in self.rows for op in (row.input_grad if phase == INPUT_GRAD else row.weight_grad)]
+
+    def ns(self, phase: str) -> float:
+        return sum(op.estimated_ns for op in self.ops(phase))
+
+    def flops(self, phase: str) -> int:
+        return sum(op.flops for op in self.ops(phase))
+
+
+def split(workload: Workload, stack: str | None, row_parallel: list[str]) -> list[Unit]:
+    """The units of the whole model, in forward order. ``stack`` is the decoder layers' ModuleList path."""
+    blocks: dict[int, int] = {}
+    for path in row_parallel:
+        blocks[layer_of(path, stack)] = blocks.get(layer_of(path, stack), 0) + 1
+    units: list[Unit] = []
+    pending: list[GradRow] = []
+    for row in workload.rows:
+        if isinstance(row, GradRow):
+            pending.append(row)
+            continue
+        layer = layer_of(row.module, stack)
+        unit = units[-1] if units else None
+        if layer is None:
+            block = EMBEDDING if not any(u.layer is not None for u in units) else HEAD
+            if unit is None or unit.block != block:
+                unit = Unit(name=block, block=block)
+                units.append(unit)
+        elif unit is None or unit.layer != layer or (_ends_block(unit, row, row_parallel)
+                                                     and _blocks_so_far(units, layer) < blocks.get(layer, 1)):
+            unit = Unit(name="", block=LAYER, layer=layer)
+            units.append(unit)
+        unit.rows.append(row)
+        unit.grads.extend(pending)
+        pending.clear()
+        unit.moe = unit.moe or ".experts" in row.module
+    if pending and units:
+        units[-1].grads.extend(pending)
+    for unit in units:
+        if unit.layer is not None:
+            unit.block = _block_name(unit, row_parallel)
+            unit.name = f"layer{unit.layer}_{unit.block}"
+    return units
+
+
+def _blocks_so_far(units: list[Unit], layer: int) -> int:
+    return sum(1 for u in units if u.layer == layer)
+
+
+def _ends_block(unit: Unit, row: NodeRow, row_parallel: list[str]) -> bool:
+    """True when the unit already holds a row-parallel projection and ``row`` lies outside it."""
+    closer = _row_parallel_of(unit, row_parallel)
+    return closer is not None and not _within(row.module, closer)
+
+
+def _row_parallel_of(unit: Unit, row_parallel: list[str]) -> str | None:
+    return next((path for r in unit.rows for path in row_parallel if _within(r.module, path)), None)
+
+
+def _within(module: str, path: str) -> bool:
+    return module == path or module.startswith(path + ".")
+
+
+def _block_name(unit: Unit, row_parallel: list[str]) -> str:
+    closer = _row_parallel_of(unit, row_parallel)
+    if closer is None:
+        return LAYER if not row_parallel else MLP
+    parts = closer.split(".")
+    return ATTENTION if any("attn" in p or "attention" in p for p in parts) else MLP
