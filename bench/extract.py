@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/extract.py            # the cases, the layer sweep and re-costing
     .venv/bin/python bench/extract.py --repeat 3 # median of 3 runs per case
+    .venv/bin/python bench/extract.py --parallel-only  # just the parallel layouts (SimAI file included)
 
 Wall time is measured in-process after imports (model resolution, capture, costing and the text
 of both tables); peak RSS is the child's ru_maxrss. Every run but the re-costing one bypasses the
@@ -22,29 +23,38 @@ from pathlib import Path
 
 CASES = [("gpt2", 8, 1024, "fp32"), ("llama-3-70b", 1, 4096, "bf16")]
 SWEEP_MODEL, SWEEP_LAYERS = "llama-3-70b", (8, 16, 32, 64, 80)
+# One rank of a 1024-GPU layout: the tensor/expert-sharded capture, the rank's units and its SimAI text.
+PARALLEL_CASES = [
+    ("llama-3-70b", 1, 4096, "bf16", dict(tp=8, pp=8, dp=16, sp=True, micro_batches=16, zero=1)),
+    ("mixtral-8x7b", 1, 4096, "bf16", dict(tp=2, pp=4, dp=128, ep=8, sp=True, micro_batches=16)),
+]
 
 CHILD = """
 import json, resource, time, sys
 from dataclasses import asdict
 from fxworkload.extract import extract
 from fxworkload.output import tsv_text, json_text
-model, batch, seq, dtype, device, use_cache, every_layer = sys.argv[1:8]
+from fxworkload.parallel import Parallel
+from fxworkload import simai
+model, batch, seq, dtype, device, use_cache, every_layer, parallel = sys.argv[1:9]
 start = time.perf_counter()
 result = extract(model, batch=int(batch), seq=int(seq), dtype=dtype, device=device, use_cache=use_cache == "1",
-                 every_layer=every_layer == "1")
+                 every_layer=every_layer == "1", parallel=Parallel(**json.loads(parallel)))
 tsv = tsv_text(result.workload, "bytes")
 doc = json_text(result.workload, result.settings, asdict(result.device))
+text = simai.text(simai.from_rank(result.rank))
 wall = time.perf_counter() - start
 print(json.dumps({"wall_s": wall, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                   "rows": len(result.workload.rows), "ops": len(result.workload.ops())}))
 """
 
 
-def run(model, batch, seq, dtype, repeat, device="a100-80gb", use_cache=False, every_layer=False, env=None):
+def run(model, batch, seq, dtype, repeat, device="a100-80gb", use_cache=False, every_layer=False, env=None,
+        parallel=None):
     runs = []
     for _ in range(repeat):
         out = subprocess.run([sys.executable, "-c", CHILD, model, str(batch), str(seq), dtype, device,
-                              "1" if use_cache else "0", "1" if every_layer else "0"],
+                              "1" if use_cache else "0", "1" if every_layer else "0", json.dumps(parallel or {})],
                              capture_output=True, text=True, check=True, env=env)
         runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
     return (statistics.median(r["wall_s"] for r in runs), max(r["peak_rss_mb"] for r in runs),
@@ -52,15 +62,24 @@ def run(model, batch, seq, dtype, repeat, device="a100-80gb", use_cache=False, e
 
 
 def line(case, wall, rss, rows, ops):
-    print(f"{case:52s} {wall:8.2f} {rss:12.0f} {rows:7d} {ops:7d}", flush=True)
+    print(f"{case:64s} {wall:8.2f} {rss:12.0f} {rows:7d} {ops:7d}", flush=True)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=1)
     parser.add_argument("--every-layer", action="store_true", help="also time the full trace of each case")
+    parser.add_argument("--parallel-only", action="store_true", help="only the parallel layouts")
     args = parser.parse_args()
-    header = f"{'case':52s} {'wall_s':>8s} {'peak_rss_mb':>12s} {'rows':>7s} {'ops':>7s}"
+    header = f"{'case':64s} {'wall_s':>8s} {'peak_rss_mb':>12s} {'rows':>7s} {'ops':>7s}"
+    print("one rank of a parallel layout (tensor/expert-sharded capture, units, SimAI text)")
+    print(header)
+    for model, batch, seq, dtype, parallel in PARALLEL_CASES:
+        layout = " ".join(f"{k}={v}" for k, v in parallel.items())
+        line(f"{model} {layout}", *run(model, batch, seq, dtype, args.repeat, parallel=parallel))
+    if args.parallel_only:
+        return
+    print()
     print(header)
     for model, batch, seq, dtype in CASES:
         line(f"{model} B={batch} S={seq} {dtype}", *run(model, batch, seq, dtype, args.repeat))

@@ -125,6 +125,7 @@ def _formats(text: str) -> list[str]:
 def run_extract(args) -> int:
     from .extract import extract
     from .output import json_text, rank_summary_text, summary_text, tsv_text
+    from .parallel import Parallel
 
     formats = _formats(args.format)
     parallel = _parallel(args)
@@ -147,7 +148,7 @@ def run_extract(args) -> int:
         from .chrome_trace import trace_json
         files["workload.trace.json"] = trace_json(result.rank, result.device)
     summary = summary_text(result.workload, result.settings, top=args.top)
-    if parallel.world > 1 or formats != ["tables"]:
+    if parallel != Parallel() or formats != ["tables"]:
         summary += "\n" + rank_summary_text(result.rank)
     return _publish(args, result.spec.name, summary, files)
 

@@ -35,9 +35,13 @@ def test_extract_writes_both_tables_and_a_summary(tiny_dirs, tmp_path):
 
 
 def test_same_command_twice_writes_identical_files(tiny_dirs, tmp_path):
-    for out in ("a", "b"):
-        assert fxworkload("extract", tiny_dirs["llama"], "--seq", 16, "--out", tmp_path / out).returncode == 0
-    for name in ("workload.tsv", "workload.json"):
+    """The second run captures again (--no-cache), so this is not the cache replaying the first."""
+    layout = ["--tp", 2, "--dp", 2, "--pp", 2, "--micro-batches", 2, "--format", "tables,simai,chrome-trace",
+              "--device", "h100-sxm"]
+    for out, cache in (("a", []), ("b", ["--no-cache"])):
+        run = fxworkload("extract", tiny_dirs["llama"], "--seq", 16, *layout, *cache, "--out", tmp_path / out)
+        assert run.returncode == 0, run.stderr
+    for name in ("workload.tsv", "workload.json", "workload.simai.txt", "workload.trace.json"):
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
 
 

@@ -144,3 +144,12 @@ def test_stages_split_layers_and_the_boundary_send():
         assert ("embedding" in names) == (stage == 0) and ("head" in names) == (stage == 1)
         assert {u.layer for u in _units(result) if u.layer is not None} == set(range(16 * stage, 16 * stage + 16))
         assert result.rank.pp_comm_bytes == batch * seq * 4096 * 2 // 4
+
+
+def test_last_stage_reduces_its_copy_of_a_tied_head(tiny_dirs):
+    """GPT-2's head shares wte: with two stages the last keeps its own copy (Megatron-LM), and its
+    data-parallel bytes count it: one layer (12h² + 13h), the final norm (2h) and the vocab × h copy."""
+    result = extract(str(tiny_dirs["gpt2"]), batch=1, seq=16, parallel=Parallel(dp=2, pp=2, stage=1))
+    c = result.spec.config
+    h = c.n_embd
+    assert sum(x.bytes for x in _comms(result, WEIGHT_GRAD, "dp")) == 4 * (12 * h * h + 13 * h + 2 * h + c.vocab_size * h)
