@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 run: $(STAMP)
-	$(BIN)/fxworkload extract gpt2 --out outputs/gpt2
+	$(BIN)/fxworkload extract gpt2 --format tables,simai,chrome-trace --out outputs/gpt2
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

@@ -78,7 +78,7 @@ def split(workload: Workload, stack: str | None, row_parallel: list[str]) -> lis
     for unit in units:
         if unit.layer is not None:
             unit.block = _block_name(unit, row_parallel)
-            unit.name = f"layer{unit.layer}_{unit.block}"
+            unit.name = f"layer{unit.layer}" if unit.block == LAYER else f"layer{unit.layer}_{unit.block}"
     return units
 
 

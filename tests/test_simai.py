@@ -134,3 +134,17 @@ def test_vocabulary_must_divide_by_tp(tiny_dirs, tmp_path, capsys):
     assert code == 0  # 96 tokens split four ways
     code, _ = _run(tmp_path, "gpt2", "--seq", "16", "--tp", "2")
     assert code == 2 and "does not divide the model's 50257 vocabulary" in capsys.readouterr().err
+
+
+def test_a_model_without_a_tp_plan_has_one_unit_per_layer_and_refuses_tp(tmp_path, capsys):
+    from transformers import CONFIG_MAPPING
+
+    folder = tmp_path / "neo"
+    CONFIG_MAPPING["gpt_neo"](num_layers=2, hidden_size=64, num_heads=4, vocab_size=96, max_position_embeddings=64,
+                              attention_types=[[["global", "local"], 1]]).save_pretrained(folder)
+    code, out = _run(tmp_path, str(folder), "--seq", "16", "--format", "simai")
+    assert code == 0
+    assert [r.name for r in read_simai(out / "workload.simai.txt").rows] == ["embedding", "layer0", "layer1", "head"]
+    code, _ = _run(tmp_path, str(folder), "--seq", "16", "--tp", "2", "--format", "simai")
+    err = capsys.readouterr().err
+    assert code == 2 and "gpt_neo has no tensor-parallel plan" in err.splitlines()[-1] and "Traceback" not in err
