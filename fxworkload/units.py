@@ -8,6 +8,7 @@ a tensor-parallel plan a layer is one unit. The gradient rows of a unit's parame
 
 from __future__ import annotations
 
+from collections import defaultdict
 from dataclasses import dataclass, field
 
 from .capture import FORWARD, INPUT_GRAD, WEIGHT_GRAD
@@ -49,10 +50,12 @@ class Unit:
 
 def split(workload: Workload, stack: str | None, row_parallel: list[str]) -> list[Unit]:
     """The units of the whole model, in forward order. ``stack`` is the decoder layers' ModuleList path."""
-    blocks: dict[int, int] = {}
+    closers: dict[int | None, list[str]] = defaultdict(list)  # each layer's row-parallel projections
     for path in row_parallel:
-        blocks[layer_of(path, stack)] = blocks.get(layer_of(path, stack), 0) + 1
+        closers[layer_of(path, stack)].append(path)
     units: list[Unit] = []
+    made: dict[int, int] = defaultdict(int)  # units started per layer
+    closer: str | None = None  # the row-parallel projection the last unit already holds
     pending: list[GradRow] = []
     for row in workload.rows:
         if isinstance(row, GradRow):
@@ -63,12 +66,17 @@ def split(workload: Workload, stack: str | None, row_parallel: list[str]) -> lis
         if layer is None:
             block = EMBEDDING if not any(u.layer is not None for u in units) else HEAD
             if unit is None or unit.block != block:
-                unit = Unit(name=block, block=block)
+                unit, closer = Unit(name=block, block=block), None
                 units.append(unit)
-        elif unit is None or unit.layer != layer or (_ends_block(unit, row, row_parallel)
-                                                     and _blocks_so_far(units, layer) < blocks.get(layer, 1)):
-            unit = Unit(name="", block=LAYER, layer=layer)
+        elif unit is None or unit.layer != layer or (closer is not None and not _within(row.module, closer)
+                                                     and made[layer] < len(closers[layer])):
+            unit, closer = Unit(name="", block=LAYER if not row_parallel else MLP, layer=layer), None
             units.append(unit)
+            made[layer] += 1
+        if layer is not None and closer is None:
+            closer = next((path for path in closers[layer] if _within(row.module, path)), None)
+            if closer is not None:
+                unit.block = ATTENTION if any("attn" in p or "attention" in p for p in closer.split(".")) else MLP
         unit.rows.append(row)
         unit.grads.extend(pending)
         pending.clear()
@@ -77,32 +85,9 @@ def split(workload: Workload, stack: str | None, row_parallel: list[str]) -> lis
         units[-1].grads.extend(pending)
     for unit in units:
         if unit.layer is not None:
-            unit.block = _block_name(unit, row_parallel)
             unit.name = f"layer{unit.layer}" if unit.block == LAYER else f"layer{unit.layer}_{unit.block}"
     return units
 
 
-def _blocks_so_far(units: list[Unit], layer: int) -> int:
-    return sum(1 for u in units if u.layer == layer)
-
-
-def _ends_block(unit: Unit, row: NodeRow, row_parallel: list[str]) -> bool:
-    """True when the unit already holds a row-parallel projection and ``row`` lies outside it."""
-    closer = _row_parallel_of(unit, row_parallel)
-    return closer is not None and not _within(row.module, closer)
-
-
-def _row_parallel_of(unit: Unit, row_parallel: list[str]) -> str | None:
-    return next((path for r in unit.rows for path in row_parallel if _within(r.module, path)), None)
-
-
 def _within(module: str, path: str) -> bool:
     return module == path or module.startswith(path + ".")
-
-
-def _block_name(unit: Unit, row_parallel: list[str]) -> str:
-    closer = _row_parallel_of(unit, row_parallel)
-    if closer is None:
-        return LAYER if not row_parallel else MLP
-    parts = closer.split(".")
-    return ATTENTION if any("attn" in p or "attention" in p for p in parts) else MLP
