@@ -91,9 +91,9 @@ def read_simai(path: str | Path) -> SimaiWorkload:
 
 
 def _row(line: str, path, number: int) -> SimaiRow:
-    f = line.split("\t")
+    f = line.split()  # the simulator reads fields with >>: any whitespace separates them
     if len(f) != FIELDS:
-        raise UserError(f"{path}:{number}: expected {FIELDS} tab-separated fields, got {len(f)}")
+        raise UserError(f"{path}:{number}: expected {FIELDS} whitespace-separated fields, got {len(f)}")
     for i in (3, 6, 9):
         if f[i].removesuffix("_DP_EP").removesuffix("_EP") not in COMM_TYPES:
             raise UserError(f"{path}:{number}: unknown comm type {f[i]!r}")

@@ -82,11 +82,14 @@ def shard(model: torch.nn.Module, plan: Plan | None, tp: int, ep: int) -> torch.
             for attribute in attributes:
                 setattr(module, attribute, getattr(module, attribute) // tp)
     if ep > 1:
-        for path, module in model.named_modules():
-            if _is_expert_bank(module):
-                for name, param in list(module.named_parameters(recurse=False)):
-                    _replace(model, module, name, 0, ep, f"{path}.{name}")
-                module.num_experts //= ep
+        banks = [(path, module) for path, module in model.named_modules() if _is_expert_bank(module)]
+        if not banks:
+            raise UserError(f"--ep {ep}: {model.config.model_type} keeps no expert weights stacked as "
+                            "[experts, out, in] parameters, which is what expert parallelism splits here; use --ep 1")
+        for path, module in banks:
+            for name in list(module._parameters):
+                _replace(model, module, name, 0, ep, f"{path}.{name}")
+            module.num_experts //= ep
     return model
 
 

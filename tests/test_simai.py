@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -69,6 +70,16 @@ def test_read_simai_names_a_malformed_line(tmp_path):
     path.write_text("HYBRID_TRANSFORMER_FWD_IN_BCKWD ep: 1\n1\nembedding\t-1\t1.5\tNONE\t0\t0\tNONE\t0\t0\tNONE\t0\t100\n")
     with pytest.raises(UserError, match=r"bad.txt:3: '1.5' is not an integer"):
         read_simai(path)
+    path.write_text("HYBRID_TRANSFORMER_FWD_IN_BCKWD ep: 1\n1\nembedding -1 1 NONE 0 0 NONE 0 0 BROADCAST 0 100\n")
+    with pytest.raises(UserError, match=r"bad.txt:3: unknown comm type 'BROADCAST'"):
+        read_simai(path)
+
+
+def test_read_simai_takes_any_whitespace_as_the_simulator_does(tmp_path):
+    path = tmp_path / "spaces.txt"
+    path.write_text("HYBRID_TRANSFORMER_FWD_IN_BCKWD ep: 1\n1\nembedding  -1 7   NONE 0 8 NONE 0 9 ALLREDUCE 10 100\n")
+    (row,) = read_simai(path).rows
+    assert (row.forward_ns, row.input_grad_ns, row.weight_grad_ns, row.weight_grad_comm_bytes) == (7, 8, 9, 10)
 
 
 def test_text_is_what_the_reader_reads(tiny_dirs):
@@ -98,7 +109,7 @@ def test_chrome_trace_lays_out_every_unit_and_collective(tiny_dirs, tmp_path):
     ends = [e["ts"] + e["dur"] for e in spans]
     assert trace["otherData"]["step_ns"] == pytest.approx(max(ends) * 1e3, abs=1)
     timeline = sorted((e["ts"], e["ts"] + e["dur"]) for e in spans if e["tid"] in (0, 1))
-    assert all(a_end <= b_start + 1e-3 for (_, a_end), (b_start, _) in zip(timeline, timeline[1:]))
+    assert all(a_end <= b_start + 1e-3 for (_, a_end), (b_start, _) in itertools.pairwise(timeline))
 
 
 @pytest.mark.parametrize("args,message", [
