@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from .capture import FORWARD, INPUT_GRAD, WEIGHT_GRAD
 from .parallel import Parallel
-from .units import EMBEDDING, HEAD, Comm, Unit
+from .units import EMBEDDING, HEAD, Comm, Unit, is_expert
 
 ALLREDUCE, ALLGATHER, REDUCESCATTER, ALLTOALL = "ALLREDUCE", "ALLGATHER", "REDUCESCATTER", "ALLTOALL"
 LOSS_BYTES_PER_TOKEN = 4  # Megatron's vocab-parallel cross entropy reduces fp32 values
@@ -67,8 +67,8 @@ def data_parallel_units(units: list[Unit], p: Parallel, grad_itemsize: int, para
     """The stage's units with its data-parallel rows inserted: a gradient bucket's row sits just before
     the unit whose backward completes the bucket, so the simulator issues it there."""
     expert_dp = p.dp // p.ep
-    groups = [("dp", p.dp, [g for u in units for g in u.grads if not _is_expert(g.module)]),
-              ("dp_ep", expert_dp, [g for u in units for g in u.grads if _is_expert(g.module)])]
+    groups = [("dp", p.dp, [g for u in units for g in u.grads if not is_expert(g.module)]),
+              ("dp_ep", expert_dp, [g for u in units for g in u.grads if is_expert(g.module)])]
     owner = {id(g): i for i, u in enumerate(units) for g in u.grads}
     before: dict[int, list[Unit]] = {}
     top: list[Unit] = []
@@ -122,7 +122,3 @@ def _dp_row(name: str, comm: Comm) -> Unit:
     unit = Unit(name=name, block="dp")
     unit.comms[WEIGHT_GRAD].append(comm)
     return unit
-
-
-def _is_expert(module: str) -> bool:
-    return "experts" in module.split(".")

@@ -45,10 +45,7 @@ def fast_workload(spec: models.ModelSpec, model: torch.nn.Module, batch: int, se
     prefix, blocks, suffix = tables[0]
     middle = [row for i in range(1, layers - 1) for row in _renumbered(blocks[1], stack, 1, i)]
     last = _renumbered(blocks[-1], stack, len(blocks) - 1, layers - 1)
-    rows = prefix + blocks[0] + middle + last + suffix
-    elements = sum(r.elements for r in rows if isinstance(r, GradRow))
-    return Workload(rows=rows, parameter_count=elements,
-                    gradient_bytes=elements * torch.empty((), dtype=grad_dtype).element_size())
+    return Workload.of_rows(prefix + blocks[0] + middle + last + suffix, grad_dtype)
 
 
 def _short_table(spec, layers, stack, batch, seq, dtype, grad_dtype, trace_device, prepare):

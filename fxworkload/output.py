@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
-from typing import Callable
 
 from tabulate import tabulate
 
@@ -45,8 +45,8 @@ def tsv_text(workload: Workload, size_unit: str, op_ns: Callable[[OpCost], float
     return "\n".join(lines) + "\n"
 
 
-def phase_ns(row: NodeRow, op_ns: Callable[[OpCost], float]) -> tuple[float, float, float]:
-    return op_ns(row.forward), sum(map(op_ns, row.input_grad)), sum(map(op_ns, row.weight_grad))
+def phase_ns(row: NodeRow, op_ns: Callable[[OpCost], float]) -> tuple[float, ...]:
+    return tuple(sum(map(op_ns, row.ops(phase))) for phase in PHASES)
 
 
 def json_text(workload: Workload, settings: dict, device_profile: dict) -> str:
@@ -152,8 +152,6 @@ def summary_text(workload: Workload, settings: dict, top: int = 10) -> str:
 
 def rank_summary_text(rank) -> str:
     """One rank's layer-level view: compute per micro-batch and the bytes of each kind of collective."""
-    from .capture import PHASES
-
     p = rank.parallel
     units = [u for u in rank.units if u.block != "dp"]
     comm_bytes: dict[str, int] = {}

@@ -4,14 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-import torch
-
 from . import models
 from .collectives import add_model_parallel, data_parallel_units, stage_units
 from .devices import DTYPES
 from .layers import layer_stack
 from .parallel import Parallel, stage_layers
-from .tensor_parallel import plan_for
+from .tensor_parallel import path_of, plan_for
 from .units import EMBEDDING, HEAD, Unit, split
 from .workload import Workload
 
@@ -37,7 +35,7 @@ def rank_workload(spec: models.ModelSpec, workload: Workload, parallel: Parallel
     mine = stage_units(units, stages[parallel.stage], parallel.stage == 0, last)
     if last and parallel.pp > 1:
         _keep_tied_copy(model, units, mine)
-    act_itemsize, grad_itemsize = _itemsize(dtype), _itemsize(grad_dtype)
+    act_itemsize, grad_itemsize = DTYPES[dtype].itemsize, DTYPES[grad_dtype].itemsize
     add_model_parallel(mine, parallel, micro_batch, seq, config.hidden_size, act_itemsize,
                        getattr(config, "num_experts_per_tok", 1) or 1)
     boundary = micro_batch * seq * config.hidden_size * act_itemsize // (parallel.tp if parallel.sp else 1)
@@ -51,12 +49,8 @@ def _keep_tied_copy(model, units: list[Unit], mine: list[Unit]) -> None:
     head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
     if head is None or embedding is None or head.weight is not embedding.weight:
         return
-    path = next(name for name, module in model.named_modules() if module is embedding)
+    path = path_of(model, embedding)
     tied = [g for u in units if u.block == EMBEDDING for g in u.grads if g.module == path]
     for unit in mine:
         if unit.block == HEAD:
             unit.grads.extend(replace(g, name=f"{g.name}_tied_copy") for g in tied)
-
-
-def _itemsize(dtype: str) -> int:
-    return torch.empty((), dtype=DTYPES[dtype]).element_size()

@@ -75,7 +75,7 @@ def shard(model: torch.nn.Module, plan: Plan | None, tp: int, ep: int) -> torch.
             _shard_path(model, path, split, tp, done)
         for embedding in (model.get_input_embeddings(), model.get_output_embeddings()):
             if embedding is not None:  # vocabulary-parallel: each rank holds vocab / tp rows
-                _shard_module(model, embedding, _path_of(model, embedding), COLUMN, tp, done)
+                _shard_module(model, embedding, path_of(model, embedding), COLUMN, tp, done)
         _divide_vocab_size(model, tp)
         for path, attributes in plan.divide_attributes.items():
             module = model.get_submodule(path)
@@ -161,5 +161,5 @@ def _expand(pattern: str, names: list[str]) -> list[str]:
     return [name for name in dict.fromkeys(names) if regex.match(name)]
 
 
-def _path_of(model: torch.nn.Module, target: torch.nn.Module) -> str:
+def path_of(model: torch.nn.Module, target: torch.nn.Module) -> str:
     return next(path for path, module in model.named_modules() if module is target)

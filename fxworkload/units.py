@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from .capture import FORWARD, INPUT_GRAD, WEIGHT_GRAD
+from .capture import PHASES
 from .layers import layer_of
 from .workload import GradRow, NodeRow, Workload
 
@@ -34,12 +34,10 @@ class Unit:
     rows: list[NodeRow] = field(default_factory=list)
     grads: list[GradRow] = field(default_factory=list)
     moe: bool = False
-    comms: dict[str, list[Comm]] = field(default_factory=lambda: {FORWARD: [], INPUT_GRAD: [], WEIGHT_GRAD: []})
+    comms: dict[str, list[Comm]] = field(default_factory=lambda: {phase: [] for phase in PHASES})
 
     def ops(self, phase: str) -> list:
-        if phase == FORWARD:
-            return [row.forward for row in self.rows]
-        return [op for row in self.rows for op in (row.input_grad if phase == INPUT_GRAD else row.weight_grad)]
+        return [op for row in self.rows for op in row.ops(phase)]
 
     def ns(self, phase: str) -> float:
         return sum(op.estimated_ns for op in self.ops(phase))
@@ -80,13 +78,18 @@ def split(workload: Workload, stack: str | None, row_parallel: list[str]) -> lis
         unit.rows.append(row)
         unit.grads.extend(pending)
         pending.clear()
-        unit.moe = unit.moe or ".experts" in row.module
+        unit.moe = unit.moe or is_expert(row.module)
     if pending and units:
         units[-1].grads.extend(pending)
     for unit in units:
         if unit.layer is not None:
             unit.name = f"layer{unit.layer}" if unit.block == LAYER else f"layer{unit.layer}_{unit.block}"
     return units
+
+
+def is_expert(module: str) -> bool:
+    """Whether a module path lies in a mixture-of-experts layer's expert weights."""
+    return "experts" in module.split(".")
 
 
 def _within(module: str, path: str) -> bool:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from . import flops as flop_rules
-from .capture import FORWARD, INPUT_GRAD, WEIGHT_GRAD, Capture
+from .capture import FORWARD, INPUT_GRAD, PHASES, WEIGHT_GRAD, Capture
 from .devices import DeviceProfile
 from .roofline import estimate_ns
 from .traffic import bytes_moved, is_alias
@@ -40,6 +40,12 @@ class NodeRow:
     input_grad: list[OpCost] = field(default_factory=list)
     weight_grad: list[OpCost] = field(default_factory=list)
 
+    def ops(self, phase: str) -> list[OpCost]:
+        """This row's ops of one phase: its forward op, or the backward ops autograd ran for it."""
+        if phase == FORWARD:
+            return [self.forward]
+        return self.input_grad if phase == INPUT_GRAD else self.weight_grad
+
     @property
     def backward_ns(self) -> float:
         return sum(op.estimated_ns for op in self.input_grad)
@@ -69,6 +75,12 @@ class Workload:
     parameter_count: int
     gradient_bytes: int
 
+    @classmethod
+    def of_rows(cls, rows: list, grad_dtype: torch.dtype) -> Workload:
+        """The table of these rows; its parameters are those its gradient rows hold."""
+        elements = sum(r.elements for r in rows if isinstance(r, GradRow))
+        return cls(rows=rows, parameter_count=elements, gradient_bytes=elements * grad_dtype.itemsize)
+
     @property
     def node_rows(self) -> list[NodeRow]:
         return [r for r in self.rows if isinstance(r, NodeRow)]
@@ -78,8 +90,8 @@ class Workload:
         return [r for r in self.rows if isinstance(r, GradRow)]
 
     def ops(self, phase: str | None = None) -> list[OpCost]:
-        ops = [op for r in self.node_rows for op in [r.forward, *r.input_grad, *r.weight_grad]]
-        return ops if phase is None else [op for op in ops if op.phase == phase]
+        phases = PHASES if phase is None else (phase,)
+        return [op for r in self.node_rows for p in phases for op in r.ops(p)]
 
     def totals(self) -> dict:
         out = {}
@@ -113,9 +125,7 @@ def build(capture: Capture, model: torch.nn.Module, device: DeviceProfile | None
         table.append(rows[node])
     for leftover in grad_rows.values():  # parameters no forward op of their module reads
         table.extend(leftover)
-    total_elements = sum(r.elements for r in table if isinstance(r, GradRow))
-    return Workload(rows=table, parameter_count=total_elements,
-                    gradient_bytes=total_elements * _itemsize(grad_dtype))
+    return Workload.of_rows(table, grad_dtype)
 
 
 def recost(workload: Workload, device: DeviceProfile) -> Workload:
@@ -227,7 +237,7 @@ def _grad_rows(model, capture: Capture, main_ops, rows, grad_dtype) -> dict[torc
         base = rows[anchor].name if anchor is not None else path.replace(".", "_")
         placed.setdefault(anchor, []).append(GradRow(
             name=f"{base}_grad", module=path, parameters=[name for name, _ in params],
-            elements=elements, bytes=elements * _itemsize(grad_dtype)))
+            elements=elements, bytes=elements * grad_dtype.itemsize))
     return placed
 
 
@@ -237,10 +247,6 @@ def _first_reader(capture: Capture, parameter_names: list[str]):
                for user in capture.parameter_nodes[name].users if capture.phase.get(user) == FORWARD]
     order = {n: i for i, n in enumerate(capture.phase)}
     return min(readers, key=order.__getitem__, default=None)
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
