@@ -8,7 +8,7 @@ is the cross entropy (three all-reduces of one fp32 value per token: max logit, 
 exponentials, target logit). Every activation collective moves micro-batch·seq·hidden values.
 Expert parallelism: each MoE layer dispatches and combines its routed tokens with all-to-alls in
 forward, and again in backward. Data parallelism (PyTorch DDP, ZeRO): gradients are reduced in
-buckets filled in reverse parameter order; ZeRO 1/2 reduce-scatter them and all-gather the
+buckets assigned as DDP assigns them; ZeRO 1/2 reduce-scatter them and all-gather the
 updated parameters; ZeRO 3 also all-gathers the parameters before forward and backward use.
 Expert parameters are reduced over the expert-data-parallel group (dp / ep ranks).
 """
@@ -104,18 +104,20 @@ def group_size(group: str, p: Parallel) -> int:
 
 
 def _buckets(grads: list, bucket_mb: float) -> list[list]:
-    """DDP's assignment: parameter groups in reverse order, a bucket closed once it reaches its cap
-    (1 MiB for the first, bucket_mb MiB after); bucket_mb 0 = one bucket per group."""
+    """DDP's assignment (torch.distributed._compute_bucket_assignment_by_size): parameter groups in
+    definition order, a bucket closed once it reaches its cap, 1 MiB for the first (the groups defined
+    first, whose gradients come last) and bucket_mb MiB after; returned in the order backward fills
+    them, last-defined first. bucket_mb 0 = one bucket per group."""
     if bucket_mb == 0:
         return [[g] for g in reversed(grads)]
     buckets, current, size = [], [], 0
-    for g in reversed(grads):
+    for g in grads:
         current.append(g)
         size += g.bytes
-        if size >= (FIRST_BUCKET_BYTES if not buckets else bucket_mb * (1 << 20)):
+        if size >= (FIRST_BUCKET_BYTES if not buckets else int(bucket_mb * (1 << 20))):
             buckets.append(current)
             current, size = [], 0
-    return buckets + ([current] if current else [])
+    return list(reversed(buckets + ([current] if current else [])))
 
 
 def _dp_row(name: str, comm: Comm) -> Unit:

@@ -119,6 +119,24 @@ def test_buckets_follow_ddp(tiny_dirs):
     assert len(_comms(one, WEIGHT_GRAD, "dp")) == 1  # the tiny model fits in DDP's first 1 MiB bucket
 
 
+@pytest.mark.parametrize("bucket_mb", [25, 5])
+def test_buckets_are_ddps_own_assignment(bucket_mb):
+    """PyTorch DDP's bucketing function, run over one tensor per parameter group of GPT-2 (124M
+    parameters: the caps matter), gives the same buckets, in reverse (the order backward fills them)."""
+    import torch
+    import torch.distributed as dist
+
+    result = extract("gpt2", batch=1, seq=64, parallel=Parallel(dp=2, bucket_mb=bucket_mb))
+    groups = [g for u in _units(result) for g in u.grads]
+    tensors = [torch.empty(g.elements, device="meta") for g in groups]
+    limits = [dist._DEFAULT_FIRST_BUCKET_BYTES, bucket_mb * (1 << 20)]
+    ddp, _ = dist._compute_bucket_assignment_by_size(tensors, limits, [False] * len(tensors))
+    expected = [sum(groups[i].bytes for i in bucket) for bucket in reversed(ddp)]
+    rows = sorted((int(u.name.rpartition("bucket")[2]), u.comms[WEIGHT_GRAD][0].bytes)
+                  for u in result.rank.units if u.block == "dp")
+    assert len(expected) > 3 and [nbytes for _, nbytes in rows] == expected
+
+
 def test_expert_parallel_all_to_alls_and_expert_gradients(tiny_dirs):
     batch, seq, dp, ep = 2, 16, 4, 2
     result = extract(str(tiny_dirs["mixtral"]), batch=batch, seq=seq, parallel=Parallel(dp=dp, ep=ep))
