@@ -82,10 +82,12 @@ def test_read_simai_takes_any_whitespace_as_the_simulator_does(tmp_path):
     assert (row.forward_ns, row.input_grad_ns, row.weight_grad_ns, row.weight_grad_comm_bytes) == (7, 8, 9, 10)
 
 
-def test_text_is_what_the_reader_reads(tiny_dirs):
+def test_text_is_what_the_reader_reads(tiny_dirs, tmp_path):
     result = extract(str(tiny_dirs["gpt2"]), batch=1, seq=16, parallel=Parallel(tp=2, dp=2, vocab_multiple=8))
     document = from_rank(result.rank)
     assert text(document).count("\n") == len(document.rows) + 2
+    (tmp_path / "w.txt").write_text(text(document))
+    assert read_simai(tmp_path / "w.txt") == document
 
 
 def test_chrome_trace_lays_out_every_unit_and_collective(tiny_dirs, tmp_path):
