@@ -21,12 +21,12 @@ from tabulate import tabulate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from fxworkload import devices  # noqa: E402
-from fxworkload.calibrate import measure, say  # noqa: E402
-from fxworkload.compare import compare, kind_summary, overall, time_weighted_error  # noqa: E402
+from fxworkload.cost import devices  # noqa: E402
+from fxworkload.measure.calibrate import measure, say  # noqa: E402
+from fxworkload.measure.compare import compare, kind_summary, overall, time_weighted_error  # noqa: E402
 from fxworkload.extract import extract  # noqa: E402
-from fxworkload.output import json_text, measured_json_text  # noqa: E402
-from fxworkload.profile import profile  # noqa: E402
+from fxworkload.formats.tables import json_text, measured_json_text  # noqa: E402
+from fxworkload.measure.profile import profile  # noqa: E402
 
 STEP_TARGET, MATMUL_TARGET = 0.15, 0.25
 

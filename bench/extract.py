@@ -3,6 +3,7 @@
     .venv/bin/python bench/extract.py            # the cases, the layer sweep and re-costing
     .venv/bin/python bench/extract.py --repeat 3 # median of 3 runs per case
     .venv/bin/python bench/extract.py --parallel-only  # just the parallel layouts (SimAI file included)
+    .venv/bin/python bench/extract.py --startup-only   # the CLI start-up ratio alone
 
 Wall time is measured in-process after imports (model resolution, capture, costing and the text
 of both tables); peak RSS is the child's ru_maxrss. Every run but the re-costing one bypasses the
@@ -19,6 +20,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 CASES = [("gpt2", 8, 1024, "fp32"), ("llama-3-70b", 1, 4096, "bf16")]
@@ -33,9 +35,9 @@ CHILD = """
 import json, resource, time, sys
 from dataclasses import asdict
 from fxworkload.extract import extract
-from fxworkload.output import tsv_text, json_text
-from fxworkload.parallel import Parallel
-from fxworkload import simai
+from fxworkload.formats.tables import tsv_text, json_text
+from fxworkload.parallel.layout import Parallel
+from fxworkload.formats import simai
 model, batch, seq, dtype, device, use_cache, every_layer, parallel = sys.argv[1:9]
 start = time.perf_counter()
 result = extract(model, batch=int(batch), seq=int(seq), dtype=dtype, device=device, use_cache=use_cache == "1",
@@ -65,12 +67,45 @@ def line(case, wall, rss, rows, ops):
     print(f"{case:64s} {wall:8.2f} {rss:12.0f} {rows:7d} {ops:7d}", flush=True)
 
 
+def _wall_s(argv: list[str], env=None) -> float:
+    start = time.perf_counter()
+    subprocess.run(argv, capture_output=True, check=True, env=env)
+    return time.perf_counter() - start
+
+
+def startup(repeat: int) -> None:
+    """The whole `fxworkload extract llama-3-70b` command (warm graph cache), and the quick commands,
+    each as a ratio to a bare `python -c "import torch, transformers"` timed in the same run."""
+    cli = str(Path(sys.executable).with_name("fxworkload"))
+    with tempfile.TemporaryDirectory() as tmp:
+        env = {**os.environ, "FXWORKLOAD_CACHE_DIR": str(Path(tmp) / "cache")}
+        extract_70b = [cli, "extract", "llama-3-70b", "--out", str(Path(tmp) / "out")]
+        _wall_s(extract_70b, env)  # fills the graph cache
+        bare, extract, quick = [], [], {}
+        for _ in range(max(repeat, 3)):
+            bare.append(_wall_s([sys.executable, "-c", "import torch, transformers"]))
+            extract.append(_wall_s(extract_70b, env))
+            for command in ("--help", "models", "devices"):
+                quick.setdefault(command, []).append(_wall_s([cli, command], env))
+    bare_s, extract_s = statistics.median(bare), statistics.median(extract)
+    print("CLI start-up (median of runs; ratio to a bare 'import torch, transformers' in the same run)")
+    print(f"{'bare import torch, transformers':40s} {bare_s:6.2f} s")
+    print(f"{'fxworkload extract llama-3-70b (cached)':40s} {extract_s:6.2f} s  ratio {extract_s / bare_s:.2f}x")
+    for command, walls in quick.items():
+        print(f"{'fxworkload ' + command:40s} {statistics.median(walls):6.2f} s")
+    print()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=1)
     parser.add_argument("--every-layer", action="store_true", help="also time the full trace of each case")
     parser.add_argument("--parallel-only", action="store_true", help="only the parallel layouts")
+    parser.add_argument("--startup-only", action="store_true", help="only the CLI start-up ratio")
     args = parser.parse_args()
+    startup(args.repeat)
+    if args.startup_only:
+        return
     header = f"{'case':64s} {'wall_s':>8s} {'peak_rss_mb':>12s} {'rows':>7s} {'ops':>7s}"
     print("one rank of a parallel layout (tensor/expert-sharded capture, units, SimAI text)")
     print(header)

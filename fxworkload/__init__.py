@@ -1,7 +1,18 @@
-"""fxworkload: a HuggingFace model's training step as a per-node workload table."""
+"""fxworkload: a HuggingFace model's training step as a per-node workload table.
+
+The public names are imported on first use, so that ``import fxworkload.cli`` (and with it
+``fxworkload --help``) does not pay for importing torch.
+"""
 
 __version__ = "0.1.0"
 
-from .simai import read_simai  # noqa: E402  (after __version__, which the modules it imports read)
+_PUBLIC = {"read_simai": "fxworkload.formats.simai"}
+__all__ = ["__version__", *_PUBLIC]
 
-__all__ = ["__version__", "read_simai"]
+
+def __getattr__(name: str):
+    if name in _PUBLIC:
+        import importlib
+
+        return getattr(importlib.import_module(_PUBLIC[name]), name)
+    raise AttributeError(f"module 'fxworkload' has no attribute {name!r}")

@@ -1,11 +1,15 @@
-"""Command line: ``fxworkload extract | profile | compare | calibrate | models | devices``."""
+"""Command line: ``fxworkload extract | profile | compare | calibrate | models | devices``.
+
+Each command imports what it needs when it runs: parsing, ``--help``, ``models`` and ``devices``
+never import torch.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import warnings
-from dataclasses import asdict
 from pathlib import Path
 
 from .errors import UserError
@@ -28,9 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
     extract.add_argument("--device", default=DEFAULT_DEVICE, help=f"device profile (default {DEFAULT_DEVICE}; see 'fxworkload devices')")
     extract.add_argument("--size-unit", choices=["bytes", "elements"], default="bytes",
                          help="unit of the gradient all-reduce sizes in workload.tsv (default bytes)")
-    extract.add_argument("--trace-on", default="cpu",
-                         help="dispatch the traced ops as on cpu or cuda (cuda needs a GPU here; "
-                              "pairs with 'profile --on cuda')")
+    extract.add_argument("--trace-on", default="auto",
+                         help="whose dispatch the trace follows: auto (default: --device's; a GPU profile records the "
+                              "fused attention kernel that GPU chooses), cpu, or cuda (no GPU needed)")
     extract.add_argument("--no-cache", action="store_true",
                          help="capture again even if this step was captured before (and do not cache it)")
     extract.add_argument("--every-layer", action="store_true",
@@ -64,7 +68,10 @@ def build_parser() -> argparse.ArgumentParser:
                            help="profile name (default 'cpu'; required with --on cuda, e.g. my-h100)")
     calibrate.set_defaults(func=run_calibrate)
 
-    commands.add_parser("models", help="list the built-in models").set_defaults(func=run_models)
+    models = commands.add_parser("models", help="list the built-in models")
+    models.add_argument("--parameters", action="store_true",
+                        help="also count each model's trainable parameters (builds it on the meta device: imports torch)")
+    models.set_defaults(func=run_models)
     commands.add_parser("devices", help="list the device profiles").set_defaults(func=run_devices)
     return parser
 
@@ -103,7 +110,7 @@ FORMATS = ("tables", "simai", "chrome-trace")
 
 
 def _parallel(args):
-    from .parallel import Parallel
+    from .parallel.layout import Parallel
 
     try:
         pp_layers = tuple(int(x) for x in args.pp_layers.split(",")) if args.pp_layers else None
@@ -122,18 +129,30 @@ def _formats(text: str) -> list[str]:
     return formats
 
 
+def _quiet_transformers() -> None:
+    """Commands that build models: transformers' warnings and progress bars are not ours to print."""
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.set_verbosity_error()
+    transformers_logging.disable_progress_bar()
+    warnings.filterwarnings("ignore", module="transformers")
+
+
 def run_extract(args) -> int:
+    from dataclasses import asdict
+
     from .extract import extract
-    from .output import json_text, rank_summary_text, summary_text, tsv_text
-    from .parallel import Parallel
+    from .formats.tables import json_text, rank_summary_text, summary_text, tsv_text
+    from .parallel.layout import Parallel
 
     formats = _formats(args.format)
     parallel = _parallel(args)
     _check_out(args)
+    _quiet_transformers()
     if "chrome-trace" in formats:
-        from . import devices
-        from .chrome_trace import check_device
-        check_device(devices.load(args.device))
+        from .extract import load_device
+        from .formats.chrome_trace import check_device
+        check_device(load_device(args.device))
     result = extract(args.model, batch=args.batch, seq=args.seq, dtype=args.dtype, grad_dtype=args.grad_dtype,
                      device=args.device, size_unit=args.size_unit, trace_on=args.trace_on,
                      use_cache=not args.no_cache, every_layer=args.every_layer, progress=True, parallel=parallel)
@@ -142,10 +161,10 @@ def run_extract(args) -> int:
         files["workload.tsv"] = tsv_text(result.workload, args.size_unit)
         files["workload.json"] = json_text(result.workload, result.settings, asdict(result.device))
     if "simai" in formats:
-        from . import simai
+        from .formats import simai
         files["workload.simai.txt"] = simai.text(simai.from_rank(result.rank))
     if "chrome-trace" in formats:
-        from .chrome_trace import trace_json
+        from .formats.chrome_trace import trace_json
         files["workload.trace.json"] = trace_json(result.rank, result.device)
     summary = summary_text(result.workload, result.settings, top=args.top)
     if parallel != Parallel() or formats != ["tables"]:
@@ -154,10 +173,11 @@ def run_extract(args) -> int:
 
 
 def run_profile(args) -> int:
-    from .output import measured_json_text, measured_summary_text, tsv_text
-    from .profile import profile
+    from .formats.tables import measured_json_text, measured_summary_text, tsv_text
+    from .measure.profile import profile
 
     _check_out(args)
+    _quiet_transformers()
     result = profile(args.model, batch=args.batch, seq=args.seq, dtype=args.dtype, on=args.on,
                      repeat=args.repeat, warmup=args.warmup, progress=True)
     return _publish(args, result.spec.name, measured_summary_text(result), {
@@ -168,7 +188,7 @@ def run_profile(args) -> int:
 
 def _check_out(args) -> None:
     """Before any work: an --out that cannot be written is an error now, not after minutes."""
-    from .output import check_out_dir
+    from .formats.files import check_out_dir
 
     if args.out is not None:
         check_out_dir(args.out)
@@ -176,7 +196,7 @@ def _check_out(args) -> None:
 
 def _publish(args, model_name: str, summary: str, files: dict[str, str]) -> int:
     """Write the files (all or none) into --out or outputs/<model>/, then print the summary."""
-    from .output import prepare_out_dir, write_files
+    from .formats.files import prepare_out_dir, write_files
 
     written = write_files(prepare_out_dir(args.out or Path("outputs") / model_name), files)
     print(summary, end="")
@@ -185,11 +205,12 @@ def _publish(args, model_name: str, summary: str, files: dict[str, str]) -> int:
 
 
 def run_compare(args) -> int:
-    from .compare import compare, load_document, plot, report_text
+    from .formats.files import prepare_out_dir, write_files
+    from .measure.compare import compare, load_document, plot_png, report_text
 
     comparison = compare(load_document(args.estimated, "workload.json"), load_document(args.measured, "measured.json"))
     if args.plot is not None:
-        plot(comparison, args.plot)
+        write_files(prepare_out_dir(args.plot.parent), {args.plot.name: plot_png(comparison)})
     print(report_text(comparison, top=args.top), end="")
     if args.plot is not None:
         print(f"\nwrote {args.plot}")
@@ -197,8 +218,8 @@ def run_compare(args) -> int:
 
 
 def run_calibrate(args) -> int:
-    from . import devices
-    from .calibrate import measure, say
+    from .cost import devices
+    from .measure.calibrate import measure, say
 
     if args.on != "cpu" and not args.name:
         raise UserError("--on cuda needs --name NAME for the measured profile (e.g. --name my-h100)")
@@ -215,46 +236,63 @@ def run_calibrate(args) -> int:
     return 0
 
 
+# How config.json files spell the figures `models` lists (GPT-2 keeps its own names).
+CONFIG_KEYS = {"layers": ("num_hidden_layers", "n_layer"), "hidden": ("hidden_size", "n_embd"),
+               "heads": ("num_attention_heads", "n_head")}
+
+
 def run_models(args) -> int:
-    import torch
     from tabulate import tabulate
 
-    from . import models
+    from .capture.builtin import BUILTIN_DIR
 
+    headers = ["name", "model_type", "task", "layers", "hidden", "heads"]
     rows = []
-    for name in models.builtin_names():
-        spec = models.resolve(name)
-        config = spec.config
-        module = models.build_meta_model(spec, torch.float32)
-        rows.append([name, config.model_type, spec.task, config.num_hidden_layers, config.hidden_size,
-                     config.num_attention_heads, f"{models.trainable_parameter_count(module):,}"])
-    print(tabulate(rows, headers=["name", "model_type", "task", "layers", "hidden", "heads", "parameters"]))
+    for path in sorted(BUILTIN_DIR.glob("*/config.json")):
+        config = json.loads(path.read_text())
+        architectures = config.get("architectures") or [""]
+        task = "masked-lm" if str(architectures[0]).endswith("ForMaskedLM") else "causal-lm"
+        rows.append([path.parent.name, config.get("model_type"), task,
+                     *(next((config[k] for k in keys if k in config), "-") for keys in CONFIG_KEYS.values())])
+    if args.parameters:
+        headers.append("parameters")
+        for row in rows:
+            row.append(f"{_parameter_count(row[0]):,}")
+    print(tabulate(rows, headers=headers))
     return 0
+
+
+def _parameter_count(name: str) -> int:
+    import torch
+
+    from .capture import models
+
+    _quiet_transformers()
+    return models.trainable_parameter_count(models.build_meta_model(models.resolve(name), torch.float32))
 
 
 def run_devices(args) -> int:
     from tabulate import tabulate
 
-    from . import devices
+    from .cost import devices
 
     rows = []
     for name in devices.names():
+        if name == "cpu":
+            rows.append(["cpu", "this machine's CPU: 'fxworkload calibrate' measures it (extract --device cpu "
+                                "does on first use)", *["-"] * 8])
+            continue
         d = devices.load(name)
         rows.append([name, d.description, *(f"{d.matmul_flops_per_s[k] / 1e12:.1f}" for k in ("fp32", "bf16", "fp16")),
                      f"{d.vector_flops_per_s / 1e12:.2f}", f"{d.memory_bytes_per_s / 1e9:.0f}",
                      d.compute_efficiency, d.memory_efficiency, f"{d.kernel_launch_ns / 1e3:.2f}"])
     print(tabulate(rows, headers=["name", "description", "fp32_tflops", "bf16_tflops", "fp16_tflops",
                                   "vector_tflops", "memory_gb_per_s", "e_compute", "e_memory", "launch_us"]))
-    print(f"\nSources of every figure: the JSON files in {devices.DATA_DIR}/ (cpu: measured, cached in {devices.cache_dir()}/)")
+    print(f"\nSources of every figure: the JSON files in {devices.DATA_DIR}/ (measured ones in {devices.cache_dir()}/devices/)")
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    from transformers.utils import logging as transformers_logging
-
-    transformers_logging.set_verbosity_error()
-    transformers_logging.disable_progress_bar()
-    warnings.filterwarnings("ignore", module="transformers")
     try:
         args = build_parser().parse_args(argv)
         return args.func(args)

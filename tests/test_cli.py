@@ -69,15 +69,22 @@ def test_a_data_dependent_branch_is_named_not_a_traceback(tmp_path):
 def test_a_config_without_a_position_limit_takes_any_seq():
     from transformers import CONFIG_MAPPING
 
-    from fxworkload.models import max_positions
+    from fxworkload.capture.models import max_positions
     assert max_positions(CONFIG_MAPPING["xlnet"]()) is None  # XLNet's max_position_embeddings is -1
     assert max_positions(tiny_config("gpt2")) == 64
 
 
 def test_models_lists_every_built_in_with_its_parameter_count():
-    run = fxworkload("models")
+    run = fxworkload("models", "--parameters")
     assert run.returncode == 0
     assert "llama-3-70b" in run.stdout and "70,553,706,496" in run.stdout
+
+
+def test_models_without_parameter_counts_reads_the_configs_alone():
+    run = fxworkload("models")
+    assert run.returncode == 0
+    gpt2 = next(line.split() for line in run.stdout.splitlines() if line.startswith("gpt2 "))
+    assert gpt2 == ["gpt2", "gpt2", "causal-lm", "12", "768", "12"]  # models/gpt2/config.json: n_layer, n_embd, n_head
 
 
 def test_devices_lists_the_profiles():

@@ -1,0 +1,184 @@
+"""Resolve a model argument to a HuggingFace config and build the model on the meta device.
+
+A model argument is a built-in name (a folder under ``models/`` with a ``config.json``), a local
+checkpoint folder, or a path to a ``config.json``. Nothing is ever downloaded.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import CONFIG_MAPPING, PretrainedConfig
+from transformers.models.auto.modeling_auto import (
+    MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+    MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+    AutoModelForCausalLM,
+    AutoModelForMaskedLM,
+)
+
+from ..dtypes import DTYPES
+from .builtin import BUILTIN_DIR, builtin_names
+from ..errors import UserError
+
+CAUSAL_LM = "causal-lm"
+MASKED_LM = "masked-lm"
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str  # the built-in name, or the folder / file name of a local config
+    config: PretrainedConfig
+    task: str  # CAUSAL_LM or MASKED_LM
+    folder: Path | None = None  # the checkpoint folder, when the argument was one
+
+
+def resolve(model: str) -> ModelSpec:
+    """Turn a model argument into a ModelSpec, or raise UserError saying why not."""
+    path = Path(model)
+    if (BUILTIN_DIR / model / "config.json").is_file() and not path.exists():
+        return _spec(model, BUILTIN_DIR / model / "config.json")
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise UserError(f"{model}: folder has no config.json; point at a HuggingFace checkpoint folder")
+        return _spec(path.resolve().name, path / "config.json", folder=path)
+    if path.is_file():
+        return _spec(path.resolve().parent.name if path.name == "config.json" else path.stem, path)
+    raise UserError(f"unknown model '{model}': use a checkpoint folder, a config.json, or one of: "
+                    + ", ".join(builtin_names()))
+
+
+def _spec(name: str, config_path: Path, folder: Path | None = None) -> ModelSpec:
+    config = load_config(config_path)
+    return ModelSpec(name=name, config=config, task=task_of(config), folder=folder)
+
+
+def load_config(config_path: Path) -> PretrainedConfig:
+    try:
+        data = json.loads(config_path.read_text())
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UserError(f"{config_path}: cannot read it ({exc}); check the path and permissions") from None
+    except json.JSONDecodeError as exc:
+        raise UserError(f"{config_path}: malformed JSON at line {exc.lineno} column {exc.colno}; "
+                        "fix the file or re-save it with save_pretrained") from None
+    if not isinstance(data, dict) or "model_type" not in data:
+        raise UserError(f"{config_path}: no 'model_type' key; this is not a HuggingFace config.json")
+    model_type = data["model_type"]
+    if model_type not in CONFIG_MAPPING:
+        raise UserError(f"{config_path}: model_type '{model_type}' is unknown to this transformers "
+                        "version; use a supported architecture or upgrade transformers")
+    try:  # from_json_file decodes what save_pretrained encodes (infinite floats)
+        return CONFIG_MAPPING[model_type].from_json_file(config_path)
+    except Exception as exc:  # transformers' validators raise their own error classes
+        raise UserError(f"{config_path}: invalid {model_type} config ({_first_line(exc)}); fix the file") from None
+
+
+def task_of(config: PretrainedConfig) -> str:
+    """The training objective: the causal-LM loss, or the masked-LM loss for encoder families."""
+    architectures = getattr(config, "architectures", None) or []
+    if architectures and architectures[0].endswith("ForMaskedLM"):
+        return MASKED_LM
+    if config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return CAUSAL_LM
+    if config.model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES:
+        return MASKED_LM
+    raise UserError(f"unsupported architecture '{config.model_type}': it has no causal-LM or masked-LM "
+                    "head in transformers; use a language model")
+
+
+def _auto_class(spec: ModelSpec):
+    spec.config.use_cache = False
+    return AutoModelForCausalLM if spec.task == CAUSAL_LM else AutoModelForMaskedLM
+
+
+def build_meta_model(spec: ModelSpec, dtype: torch.dtype) -> torch.nn.Module:
+    """The model with every parameter on the meta device (shapes only, no weight memory), in train mode."""
+    config = spec.config
+    auto = _auto_class(spec)
+    try:
+        with torch.device("meta"):
+            model = auto.from_config(config, dtype=dtype)
+    except Exception as exc:  # the model's own constructor, whatever it raises
+        raise UserError(f"cannot build {spec.name} ({config.model_type}): {_first_line(exc)}; "
+                        "check the config's hyper-parameters") from None
+    return model.train()
+
+
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json")
+
+
+def has_weights(spec: ModelSpec) -> bool:
+    return spec.folder is not None and any((spec.folder / name).is_file() for name in WEIGHT_FILES)
+
+
+def build_real_model(spec: ModelSpec, dtype: torch.dtype, device: torch.device, seed: int = 0) -> torch.nn.Module:
+    """The model with real tensors, in train mode: the checkpoint's weights if it has any, else random.
+
+    Weights are read from the local folder only. A checkpoint whose tensors do not fit its config
+    (a missing, unexpected or differently shaped tensor) is a UserError naming the first such tensor.
+    """
+    auto = _auto_class(spec)
+    if not has_weights(spec):
+        torch.manual_seed(seed)
+        with torch.device(device):
+            return auto.from_config(spec.config, dtype=dtype).train()
+    try:
+        model, info = auto.from_pretrained(spec.folder, config=spec.config, dtype=dtype, local_files_only=True,
+                                           ignore_mismatched_sizes=True, output_loading_info=True)
+    except (OSError, ValueError, RuntimeError) as exc:
+        raise UserError(f"{spec.folder}: cannot load its weights ({_first_line(exc)}); "
+                        "re-save the checkpoint with save_pretrained") from None
+    _check_loaded(spec, info)
+    return model.to(device).train()
+
+
+def _check_loaded(spec: ModelSpec, info: dict) -> None:
+    problems = [(str(key), "is missing from the checkpoint") for key in info.get("missing_keys", ())]
+    problems += [(str(key), "is in the checkpoint but not in the model its config builds")
+                 for key in info.get("unexpected_keys", ())]
+    for entry in info.get("mismatched_keys", ()):
+        key, *shapes = entry if isinstance(entry, (tuple, list)) else (entry,)
+        saved, built = (list(shape) for shape in shapes) if len(shapes) == 2 else ("?", "?")
+        problems.append((str(key), f"has shape {saved} in the checkpoint but {built} in its config"))
+    if problems:
+        tensor, what = min(problems)
+        raise UserError(f"{spec.folder}: weights do not fit config.json: tensor '{tensor}' {what}; "
+                        "use the config the checkpoint was saved with")
+
+
+def max_positions(config: PretrainedConfig) -> int | None:
+    """The longest sequence the model takes; None where the config sets no limit (XLNet's -1)."""
+    limit = getattr(config, "max_position_embeddings", None)
+    return limit if isinstance(limit, int) and limit > 0 else None
+
+
+def trainable_parameter_count(model: torch.nn.Module) -> int:
+    """Trainable parameters, tied weights counted once (named_parameters de-duplicates them)."""
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def check_settings(batch: int, seq: int | None, dtype: str, grad_dtype: str | None = None) -> None:
+    for name, value in (("batch", batch), ("seq", seq)):
+        if value is not None and value <= 0:
+            raise UserError(f"--{name} must be a positive integer, got {value}")
+    for name, value in (("dtype", dtype), ("grad-dtype", grad_dtype)):
+        if value is not None and value not in DTYPES:
+            raise UserError(f"unknown --{name} '{value}': use one of {', '.join(DTYPES)}")
+
+
+def step_seq(spec: ModelSpec, seq: int | None) -> int:
+    """The sequence length of the step: the one asked for, else min(1024, the model's limit)."""
+    limit = max_positions(spec.config)
+    seq = seq or min(1024, limit or 1024)
+    if limit is not None and seq > limit:
+        raise UserError(f"--seq {seq} exceeds {spec.name}'s max_position_embeddings ({limit}); use a shorter --seq")
+    return seq
+
+
+def _first_line(exc: BaseException) -> str:
+    """The message on one line (validators spread theirs over several), at most 300 characters."""
+    text = " ".join(str(exc).split())
+    return text[:300] if text else type(exc).__name__

@@ -1,0 +1,140 @@
+"""Device profiles: frozen data, one JSON file per device, a source per figure.
+
+Shipped profiles (datasheet peaks) live in ``fxworkload/device_profiles/``. Measured ones, written
+by ``fxworkload calibrate``, live in the cache folder: ``cpu`` (this machine) and any GPU
+profile a user calibrated under a name of their own.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from ..errors import UserError
+from .gpu import GpuFacts, GpuModel
+
+DATA_DIR = Path(__file__).resolve().parent / "device_profiles"
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    name: str
+    description: str
+    matmul_flops_per_s: dict[str, float]  # dense peak per dtype name (fp32, bf16, fp16)
+    vector_flops_per_s: float  # elementwise, norm and reduction ops
+    memory_bytes_per_s: float
+    compute_efficiency: float  # fraction of the peak FLOP rate a kernel reaches
+    memory_efficiency: float  # fraction of the peak bandwidth a kernel reaches
+    kernel_launch_ns: float  # added to every op that launches a kernel
+    # Interconnect, for collective times in timelines; 0 = unknown (CPU and measured profiles):
+    intra_node_bytes_per_s: float = 0.0  # one GPU's NVLink bandwidth, one direction
+    inter_node_bytes_per_s: float = 0.0  # one GPU's share of the node's network bandwidth, one direction
+    gpus_per_node: int = 8
+    sources: dict[str, str] = field(default_factory=dict)
+    # Measured profiles only; each replaces peak x efficiency where it applies (see roofline.py):
+    # per dtype, [[m, k, n, achieved FLOP/s], ...] over a grid of GEMM shapes;
+    matmul_flops_per_s_by_shape: dict[str, list[list[float]]] = field(default_factory=dict)
+    # [[bytes moved, achieved bytes/s], ...], bytes ascending;
+    memory_bytes_per_s_by_bytes: list[list[float]] = field(default_factory=list)
+    # aten op name -> achieved FLOP/s (FLOPs as fxworkload's per-element rules count them).
+    vector_flops_per_s_by_op: dict[str, float] = field(default_factory=dict)
+    # GPU datasheet facts; with sm_count set, kernel times come from the mechanics model (gpu.py):
+    arch: str = ""  # compute capability, "sm90"
+    sm_count: int = 0
+    l2_bytes: int = 0
+    memory_capacity_bytes: int = 0
+    sdpa_priority: list[str] = field(default_factory=list)  # SDPA backends in the order PyTorch tries them
+    # The model's fitted parameters: named by a file in fits/ (shipped profiles) or given inline (calibrated).
+    gpu_model_fit: str = ""
+    gpu_model_parameters: dict[str, float] = field(default_factory=dict)
+
+    def gpu_facts(self) -> GpuFacts:
+        return GpuFacts(sm_count=self.sm_count, tensor_flops_per_s=self.matmul_flops_per_s,
+                        memory_bytes_per_s=self.memory_bytes_per_s)
+
+    def gpu_model(self) -> GpuModel:
+        return _model(self.gpu_model_fit, tuple(sorted(self.gpu_model_parameters.items())))
+
+    def compute_capability(self) -> tuple[int, int]:
+        digits = self.arch.removeprefix("sm")
+        return int(digits[:-1]), int(digits[-1])
+
+
+@functools.cache
+def _model(fit: str, inline: tuple) -> GpuModel:
+    parameters = dict(read_fit(fit)["parameters"]) if fit else {}
+    parameters.update(dict(inline))
+    return GpuModel.of(parameters)
+
+
+FIT_DIR = Path(__file__).resolve().parent / "fits"
+GPU_FACTS = ("arch", "sm_count", "memory_capacity_bytes", "sdpa_priority")
+
+
+def read_fit(name: str) -> dict:
+    path = FIT_DIR / f"{name}.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise UserError(f"{path}: cannot read the fitted GPU model ({exc}); reinstall fxworkload") from None
+
+
+def names() -> list[str]:
+    measured = [p.stem for p in (cache_dir() / "devices").glob("*.json") if not p.stem.startswith("cpu-")]
+    return sorted({p.stem for p in DATA_DIR.glob("*.json")} | set(measured) | {"cpu"})
+
+
+def load(name: str) -> DeviceProfile:
+    """A shipped datasheet profile, or one ``fxworkload calibrate`` measured; never measures."""
+    for path in ((measured_path(name),) if name == "cpu" else (DATA_DIR / f"{name}.json", measured_path(name))):
+        if path.is_file():
+            return read(path)
+    if name == "cpu":
+        raise UserError("no measured profile of this CPU yet: run 'fxworkload calibrate' first")
+    raise UserError(f"unknown device '{name}': use one of {', '.join(names())}, "
+                    "or measure this machine's GPU with 'fxworkload calibrate --on cuda --name NAME'")
+
+
+def exists(name: str) -> bool:
+    return (name != "cpu" and (DATA_DIR / f"{name}.json").is_file()) or measured_path(name).is_file()
+
+
+def read(path: Path) -> DeviceProfile:
+    try:
+        profile = DeviceProfile(**json.loads(path.read_text()))
+    except (OSError, ValueError, TypeError) as exc:
+        raise UserError(f"{path}: not a device profile ({exc}); delete it and run 'fxworkload calibrate'") from None
+    if profile.sm_count or profile.arch:
+        missing = [name for name in GPU_FACTS if not getattr(profile, name)]
+        missing += [f"matmul_flops_per_s.{d}" for d in ("fp32", "bf16", "fp16") if not profile.matmul_flops_per_s.get(d)]
+        if not profile.memory_bytes_per_s:
+            missing.append("memory_bytes_per_s")
+        if missing:
+            raise UserError(f"{path}: GPU profile is missing the datasheet field '{missing[0]}'; add it with its source")
+    return profile
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("FXWORKLOAD_CACHE_DIR") or Path(
+        os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fxworkload"
+    return Path(root)
+
+
+def measured_path(name: str) -> Path:
+    """Where a measured profile is kept; ``cpu`` is keyed by torch version and thread count."""
+    if name == "cpu":
+        import torch  # only a CPU profile needs it: its rates depend on torch's build and threads
+
+        name = f"cpu-torch{torch.__version__}-threads{torch.get_num_threads()}"
+    return cache_dir() / "devices" / f"{name}.json"
+
+
+def save(profile: DeviceProfile, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(asdict(profile), indent=2) + "\n")
+    tmp.replace(path)
+    return path

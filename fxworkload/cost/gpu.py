@@ -1,0 +1,152 @@
+"""Kernel time on an NVIDIA GPU from its mechanics: tiles and waves over the SMs, alignment, bandwidth.
+
+Datasheet facts come from the device profile (SM count, tensor-core peak per dtype, FP32 peak,
+memory bandwidth); the few free parameters (``GpuModel``) were fitted once on kernels measured on an
+H100 and are shipped with their source, or fitted by ``fxworkload calibrate --on cuda``.
+
+- GEMM (``gemm_ns``): cuBLAS tiles the m×n output; a tile of tm×tn costs 2·tm·tn·k FLOPs at one SM's
+  share of the peak, derated for small tiles (edge cost ∝ tm + tn); the tiles run in waves of SM-count
+  CTAs, so a last partial wave costs a whole one; split-K cuts k when there are too few tiles, at the
+  price of an fp32 reduction. The kernel family follows the operands' leading dimensions: multiples of
+  16 bytes run the Hopper/Ampere tensor-core kernels, 4–8-byte multiples sm80 CUTLASS ones, 2-byte
+  (odd element counts) the ``align1`` fallback; fp32 (no TF32) runs on the FP32 units. A thin GEMM is
+  bound by reading its operands.
+- Attention (``attention_ns``): FLOPs at a per-kernel efficiency of the tensor peak (cuDNN, flash,
+  memory-efficient; forward and backward apart), counting only the score tiles a causal kernel visits
+  (an explicit mask visits them all) and the head dimension padded to the kernel's 64-wide tiles,
+  in waves of one 128-query block per CTA over the SMs; dropout's random numbers cost a fitted
+  fraction more (forward and backward apart); an additive mask is read once per head.
+- Memory-bound ops (``memory_ns``): a fixed per-kernel cost plus bytes at the fitted fraction of the
+  bandwidth.
+- Host (``dispatch_ns``): each eager op costs the CPU a fitted dispatch time; a step whose kernels are
+  shorter than their dispatch waits on the host (see ``two_stream_ns``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+
+# Output tiles cuBLAS chooses among on sm80/sm90 (rows x columns of C per CTA).
+GEMM_TILES = ((128, 256), (256, 128), (128, 128), (64, 128), (128, 64), (64, 64))
+SPLIT_K = (1, 2, 4, 8)
+ATTENTION_TILE = 128  # query/key block of the fused attention kernels (causal skipping works per block)
+HEAD_DIM_TILE = 64
+
+
+@dataclass(frozen=True)
+class GpuModel:
+    """The free parameters; every other figure is a datasheet fact of the profile."""
+    gemm_tensor_efficiency: float = 0.86  # fraction of the tensor peak a full wave of large tiles reaches
+    gemm_sm80_efficiency: float = 0.28  # 4- or 8-byte-aligned leading dimensions (CUTLASS sm80 kernels)
+    gemm_align1_efficiency: float = 0.16  # odd leading dimensions (cutlass_75 align1 kernels)
+    gemm_fp32_efficiency: float = 0.91  # fp32 without TF32, of the FP32 (non-tensor) peak
+    gemm_tile_edge: float = 13.6  # elements: a tile's efficiency is tm·tn / (tm·tn + edge·(tm + tn))
+    gemm_kernel_ns: float = 5580.0  # fixed cost of one GEMM call (launch, prologue, epilogue)
+    gemm_min_ns: float = 25200.0  # the shortest a cuBLAS call took back to back in eager PyTorch
+    memory_efficiency: float = 0.74  # fraction of the datasheet bandwidth a streaming kernel reaches
+    vector_kernel_ns: float = 3000.0  # fixed cost of one memory-bound kernel
+    host_dispatch_ns: float = 10000.0  # CPU time of one eager aten op (Python, dispatcher, launch)
+    attention_kernel_ns: float = 10000.0
+    cudnn_forward_efficiency: float = 0.45
+    cudnn_backward_efficiency: float = 0.35
+    flash_forward_efficiency: float = 0.40
+    flash_backward_efficiency: float = 0.30
+    efficient_forward_efficiency: float = 0.25
+    efficient_backward_efficiency: float = 0.18
+    attention_forward_dropout_cost: float = 0.5  # extra time, as a fraction, of a forward kernel with dropout
+    attention_backward_dropout_cost: float = 0.2
+
+    @classmethod
+    def of(cls, values: dict) -> GpuModel:
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: float(v) for k, v in values.items() if k in known})
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class GpuFacts:
+    """Datasheet facts of one GPU, from its profile."""
+    sm_count: int
+    tensor_flops_per_s: dict  # dtype name -> dense tensor-core peak (fp32: the FP32-unit peak, no TF32)
+    memory_bytes_per_s: float
+
+
+ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2, "float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def alignment_bytes(leading_dims: tuple[int, ...], itemsize: int) -> int:
+    """The largest power of two (up to 16) that every leading dimension's byte stride is a multiple of."""
+    return min(math.gcd(ld * itemsize, 16) for ld in leading_dims)
+
+
+def gemm_ns(m: int, k: int, n: int, batch: int, dtype: str, leading_dims: tuple[int, ...],
+            facts: GpuFacts, model: GpuModel) -> float:
+    itemsize = ITEMSIZE[dtype]
+    if itemsize == 4:
+        efficiency = model.gemm_fp32_efficiency
+    else:
+        align = alignment_bytes(leading_dims, itemsize)
+        efficiency = (model.gemm_tensor_efficiency if align >= 16 else model.gemm_sm80_efficiency if align >= 4
+                      else model.gemm_align1_efficiency)
+    per_sm = facts.tensor_flops_per_s[_dtype_name(dtype)] * efficiency / facts.sm_count
+    bandwidth = facts.memory_bytes_per_s * model.memory_efficiency
+    compute_s = math.inf
+    for tm, tn in GEMM_TILES:
+        tiles = math.ceil(m / tm) * math.ceil(n / tn) * batch
+        tile_rate = per_sm * tm * tn / (tm * tn + model.gemm_tile_edge * (tm + tn))
+        for split in SPLIT_K:
+            if split > 1 and tiles * split > 2 * facts.sm_count:
+                break
+            waves = math.ceil(tiles * split / facts.sm_count)
+            seconds = waves * 2 * tm * tn * math.ceil(k / split) / tile_rate
+            if split > 1:  # fp32 partial tiles written and read back by the reduction
+                seconds += 2 * m * n * batch * split * 4 / bandwidth
+            compute_s = min(compute_s, seconds)
+    memory_s = (m * k + k * n + m * n) * batch * itemsize / bandwidth
+    return max(model.gemm_min_ns, model.gemm_kernel_ns + 1e9 * max(compute_s, memory_s))
+
+
+def causal_fraction(q_len: int, kv_len: int) -> float:
+    """Share of the score blocks a causal kernel computes: the blocks on and below the diagonal."""
+    blocks = math.ceil(max(q_len, kv_len) / ATTENTION_TILE)
+    return (blocks + 1) / (2 * blocks)
+
+
+def attention_ns(flops: int, backend: str, backward: bool, dtype: str, *, batch: int, heads: int, q_len: int,
+                 kv_len: int, head_dim: int, is_causal: bool, has_mask: bool, dropout: float,
+                 facts: GpuFacts, model: GpuModel) -> float:
+    work = flops * math.ceil(head_dim / HEAD_DIM_TILE) * HEAD_DIM_TILE / head_dim
+    if is_causal and not has_mask:
+        work *= causal_fraction(q_len, kv_len)
+    direction = "backward" if backward else "forward"
+    ctas = batch * heads * math.ceil(q_len / ATTENTION_TILE)  # one query block per CTA
+    quantization = math.ceil(ctas / facts.sm_count) / (ctas / facts.sm_count)  # a last partial wave costs a whole one
+    efficiency = getattr(model, f"{backend}_{direction}_efficiency")
+    seconds = quantization * work / (facts.tensor_flops_per_s[_dtype_name(dtype)] * efficiency)
+    if dropout > 0:
+        seconds *= 1 + getattr(model, f"attention_{direction}_dropout_cost")
+    if has_mask:  # the additive bias, read per (batch, head)
+        seconds += batch * heads * q_len * kv_len * ITEMSIZE[dtype] / (facts.memory_bytes_per_s * model.memory_efficiency)
+    return model.attention_kernel_ns + 1e9 * seconds
+
+
+def memory_ns(nbytes: int, facts: GpuFacts, model: GpuModel) -> float:
+    return model.vector_kernel_ns + 1e9 * nbytes / (facts.memory_bytes_per_s * model.memory_efficiency)
+
+
+def two_stream_ns(ops: list[tuple[float, float]]) -> float:
+    """End time of a sequence of (host dispatch ns, kernel ns): the host issues each op after the
+    previous one; the GPU starts a kernel when it is issued and the previous kernel has ended."""
+    host = gpu = 0.0
+    for dispatch, kernel in ops:
+        host += dispatch
+        if kernel > 0:
+            gpu = max(gpu, host) + kernel
+    return max(host, gpu)
+
+
+def _dtype_name(dtype: str) -> str:
+    return {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(dtype, dtype)

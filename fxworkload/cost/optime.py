@@ -1,0 +1,55 @@
+"""Which kernel-time model an op takes on a GPU profile, from what its OpCost records.
+
+GEMMs (with their leading dimensions) go to ``gpu.gemm_ns``, fused attention kernels to
+``gpu.attention_ns``, ops that launch no kernel take 0, and everything else is memory-bound
+(``gpu.memory_ns``). Other tensor-core ops (grouped GEMMs of MoE experts) take the GEMM model on the
+cube of their size.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .flops import ATTENTION, MATMUL, VIEW
+from .gpu import attention_ns, gemm_ns, memory_ns
+
+# The argument names of the fused attention ops (forward and backward) that say how the kernel runs.
+_ATTENTION_ARGUMENTS = ("query", "key", "value", "dropout_p", "is_causal", "attn_bias", "attn_mask")
+_FUSED_BACKENDS = {"cudnn", "flash", "efficient"}
+
+
+def attention_facts(target, args, kwargs) -> dict | None:
+    """Backend, direction and shapes of a fused GPU attention op, read through its schema; None otherwise."""
+    name = getattr(getattr(target, "overloadpacket", None), "__name__", "")
+    backend = next((b for b in _FUSED_BACKENDS if name.startswith(f"_scaled_dot_product_{b}_attention")), None)
+    if backend is None:
+        return None
+    schema = target._schema
+    values = {arg.name: value for arg, value in zip(schema.arguments, args)}
+    values.update(kwargs)
+    query, key = values["query"], values["key"]
+    mask = values.get("attn_bias", values.get("attn_mask"))
+    return {"backend": backend, "backward": name.endswith("_backward"), "batch": int(query.shape[0]),
+            "heads": int(query.shape[1]), "kv_heads": int(key.shape[1]), "q_len": int(query.shape[2]),
+            "kv_len": int(key.shape[2]), "head_dim": int(query.shape[3]),
+            "is_causal": bool(values.get("is_causal", False)), "has_mask": isinstance(mask, torch.Tensor),
+            "dropout": float(values.get("dropout_p", 0.0))}
+
+
+def gpu_op_ns(op, device, dtype: str) -> float:
+    """Kernel time of an OpCost on a GPU profile (``device.sm_count`` set)."""
+    if op.kind == VIEW or (op.flops == 0 and op.bytes == 0):
+        return 0.0
+    facts, model = device.gpu_facts(), device.gpu_model()
+    if op.attention is not None:
+        a = op.attention
+        return attention_ns(op.flops, a["backend"], a["backward"], dtype, batch=a["batch"], heads=a["heads"],
+                            q_len=a["q_len"], kv_len=a["kv_len"], head_dim=a["head_dim"], is_causal=a["is_causal"],
+                            has_mask=a["has_mask"], dropout=a["dropout"], facts=facts, model=model)
+    if op.gemm_mkn is not None and op.gemm_leading is not None:
+        m, k, n = op.gemm_mkn
+        return gemm_ns(m, k, n, op.gemm_batch, dtype, op.gemm_leading, facts, model)
+    if op.kind in (MATMUL, ATTENTION) and op.flops:  # grouped GEMMs: their operands are 16-byte aligned
+        side = max(int(round((op.flops / 2) ** (1 / 3))), 1)
+        return gemm_ns(side, side, side, 1, dtype, (8, 8, 8), facts, model)
+    return memory_ns(op.bytes, facts, model)

@@ -1,0 +1,8 @@
+"""The dtypes a step can be captured in, by the names the CLI and the files use."""
+
+from __future__ import annotations
+
+import torch
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}

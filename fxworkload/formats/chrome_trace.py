@@ -1,0 +1,105 @@
+"""One rank's estimated training step as a Chrome / Perfetto trace (JSON, times in microseconds).
+
+The timeline follows the SimAI policy the units describe, on one rank: for each micro-batch the
+units run forward in order, then backward in reverse (input gradient, then weight gradient); a
+tensor- or expert-parallel collective blocks compute until it ends. Data-parallel collectives run
+on their own stream once the last micro-batch's backward reaches their row, one after another.
+Collective times follow a ring: all-reduce 2(n-1)/n·S / bandwidth, the others (n-1)/n·S / bandwidth,
+over NVLink when the group fits in one node (Megatron-LM's rank order: tp innermost, then ep/dp)
+and over the network otherwise. Pipeline waits are not modelled.
+"""
+
+from __future__ import annotations
+
+import json
+
+from ..capture.trace import FORWARD, INPUT_GRAD, WEIGHT_GRAD
+from ..parallel.collectives import group_size, volume_bytes
+from ..cost.devices import DeviceProfile
+from ..errors import UserError
+from ..parallel.layout import Parallel
+from ..parallel.rank import RankWorkload
+from ..parallel.units import Comm, Unit
+
+COMPUTE, MODEL_PARALLEL_COMM, DATA_PARALLEL_COMM = 0, 1, 2
+THREADS = {COMPUTE: "compute", MODEL_PARALLEL_COMM: "tp/ep collectives", DATA_PARALLEL_COMM: "dp collectives"}
+
+
+def comm_ns(comm: Comm, p: Parallel, device: DeviceProfile) -> float:
+    ranks = group_size(comm.group, p)
+    if ranks == 1:
+        return 0.0
+    span = {"tp": p.tp, "ep": p.tp * p.ep, "dp": p.tp * p.dp, "dp_ep": p.tp * p.dp}[comm.group]
+    bandwidth = device.intra_node_bytes_per_s if span <= device.gpus_per_node else device.inter_node_bytes_per_s
+    return volume_bytes(comm, ranks) / bandwidth * 1e9
+
+
+def check_device(device: DeviceProfile) -> None:
+    if not (device.intra_node_bytes_per_s and device.inter_node_bytes_per_s):
+        raise UserError(f"device '{device.name}' has no interconnect figures for collective times; "
+                        "use a datasheet profile such as --device h100-sxm for --format chrome-trace")
+
+
+def trace_json(rank: RankWorkload, device: DeviceProfile) -> str:
+    check_device(device)
+    timeline = _Timeline(rank.parallel, device)
+    compute_units = [u for u in rank.units if u.block != "dp"]
+    for micro_batch in range(rank.parallel.micro_batches):
+        last = micro_batch == rank.parallel.micro_batches - 1
+        for unit in compute_units:
+            timeline.compute(unit, FORWARD, micro_batch)
+        for unit in reversed(rank.units):
+            if unit.block == "dp":
+                if last:
+                    timeline.data_parallel(unit)
+                continue
+            timeline.compute(unit, INPUT_GRAD, micro_batch)
+            timeline.compute(unit, WEIGHT_GRAD, micro_batch)
+    meta = [{"name": "thread_name", "ph": "M", "pid": rank.parallel.stage, "tid": tid, "args": {"name": name}}
+            for tid, name in THREADS.items()]
+    meta.append({"name": "process_name", "ph": "M", "pid": rank.parallel.stage, "tid": 0,
+                 "args": {"name": f"pipeline stage {rank.parallel.stage}, tensor-parallel rank 0"}})
+    return json.dumps({"traceEvents": meta + timeline.events, "displayTimeUnit": "ns",
+                       "otherData": {"step_ns": round(timeline.end_ns()), "parallel": rank.parallel.as_dict(),
+                                     "device": device.name}}, indent=1) + "\n"
+
+
+class _Timeline:
+    def __init__(self, parallel: Parallel, device: DeviceProfile):
+        self.parallel, self.device = parallel, device
+        self.now_ns = 0.0  # the compute stream's clock
+        self.dp_free_ns = 0.0  # when the data-parallel stream is next free
+        self.events: list[dict] = []
+
+    def compute(self, unit: Unit, phase: str, micro_batch: int) -> None:
+        duration = unit.ns(phase)
+        if duration > 0:
+            self._span(f"{unit.name} {phase}", "compute", COMPUTE, self.now_ns, duration, micro_batch=micro_batch)
+            self.now_ns += duration
+        if phase == WEIGHT_GRAD:
+            return
+        for comm in unit.comms[phase]:
+            duration = comm_ns(comm, self.parallel, self.device)
+            self._span(f"{comm.type} {comm.group}", "comm", MODEL_PARALLEL_COMM, self.now_ns, duration,
+                       micro_batch=micro_batch, what=comm.what, bytes=comm.bytes)
+            self.now_ns += duration
+
+    def data_parallel(self, unit: Unit) -> None:
+        for comm in unit.comms[WEIGHT_GRAD]:
+            start = max(self.now_ns, self.dp_free_ns)
+            duration = comm_ns(comm, self.parallel, self.device)
+            self._span(f"{unit.name}", "comm", DATA_PARALLEL_COMM, start, duration, what=comm.what, bytes=comm.bytes)
+            self.dp_free_ns = start + duration
+
+    def end_ns(self) -> float:
+        return max(self.now_ns, self.dp_free_ns)
+
+    def _span(self, name: str, category: str, tid: int, start_ns: float, duration_ns: float, **args) -> None:
+        self.events.append({"name": name, "cat": category, "ph": "X", "pid": self.parallel.stage, "tid": tid,
+                            "ts": _us(start_ns), "dur": round(_us(start_ns + duration_ns) - _us(start_ns), 3),
+                            "args": args})
+
+
+def _us(ns: float) -> float:
+    """Microseconds to the nanosecond; spans are cut from rounded end points so that they abut exactly."""
+    return round(ns / 1e3, 3)

@@ -1,0 +1,113 @@
+"""SimAI / ASTRA-sim workload files (policy HYBRID_TRANSFORMER_FWD_IN_BCKWD): write one rank's, read any.
+
+Line 1 is the policy and a ``key: value`` header, line 2 the row count, then one row per unit:
+name, -1, then for forward, input-grad and weight-grad each compute ns, comm type, comm bytes,
+and last the update delay. The simulator parses times and sizes as integers. A plain comm type
+in the forward and input-grad columns runs over the tensor-parallel group, in the weight-grad
+column over the data-parallel group; ``_EP`` and ``_DP_EP`` name the expert groups. A unit with
+more collectives than one per column gets extra rows with no compute, in the order they run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..capture.trace import PHASES
+from ..errors import UserError
+from ..parallel.rank import RankWorkload
+from ..parallel.units import Comm
+
+POLICY = "HYBRID_TRANSFORMER_FWD_IN_BCKWD"
+UPDATE_DELAY_NS = 100  # the seed files' per-row weight-update time; SimAI adds it after a row's weight grad
+COMM_TYPES = ("NONE", "ALLREDUCE", "ALLGATHER", "REDUCESCATTER", "ALLTOALL")
+GROUP_SUFFIX = {"tp": "", "dp": "", "ep": "_EP", "dp_ep": "_DP_EP"}
+FIELDS = 12
+
+
+@dataclass(frozen=True)
+class SimaiRow:
+    name: str
+    forward_ns: int
+    forward_comm: str
+    forward_comm_bytes: int
+    input_grad_ns: int
+    input_grad_comm: str
+    input_grad_comm_bytes: int
+    weight_grad_ns: int
+    weight_grad_comm: str
+    weight_grad_comm_bytes: int
+    update_delay_ns: int = UPDATE_DELAY_NS
+
+
+@dataclass(frozen=True)
+class SimaiWorkload:
+    policy: str
+    header: dict[str, int]
+    rows: list[SimaiRow]
+
+
+def from_rank(rank: RankWorkload) -> SimaiWorkload:
+    p = rank.parallel
+    header = {"model_parallel_NPU_group": p.tp, "ep": p.ep, "pp": p.pp, "vpp": max(1, len(rank.layers)),
+              "ga": p.micro_batches, "all_gpus": p.world, "checkpoints": 0, "checkpoint_initiates": 0,
+              "pp_comm": rank.pp_comm_bytes}
+    rows = []
+    for unit in rank.units:
+        comms = [unit.comms[phase] for phase in PHASES]
+        for k in range(max(1, *(len(c) for c in comms))):
+            times = [round(unit.ns(phase)) if k == 0 else 0 for phase in PHASES]
+            cells = [_cell(c[k] if k < len(c) else None) for c in comms]
+            rows.append(SimaiRow(unit.name if k == 0 else f"{unit.name}_comm{k}",
+                                 *(x for t, (kind, size) in zip(times, cells) for x in (t, kind, size))))
+    return SimaiWorkload(policy=POLICY, header=header, rows=rows)
+
+
+def text(workload: SimaiWorkload) -> str:
+    head = " ".join([workload.policy, *(f"{k}: {v}" for k, v in workload.header.items())])
+    lines = [head, str(len(workload.rows))]
+    for r in workload.rows:
+        fields = [r.name, -1, r.forward_ns, r.forward_comm, r.forward_comm_bytes, r.input_grad_ns, r.input_grad_comm,
+                  r.input_grad_comm_bytes, r.weight_grad_ns, r.weight_grad_comm, r.weight_grad_comm_bytes,
+                  r.update_delay_ns]
+        lines.append("\t".join(str(f) for f in fields))
+    return "\n".join(lines) + "\n"
+
+
+def read_simai(path: str | Path) -> SimaiWorkload:
+    """Parse a SimAI workload file; a malformed one is a UserError naming the line."""
+    lines = Path(path).read_text().splitlines()
+    if len(lines) < 2:
+        raise UserError(f"{path}: a SimAI workload needs a header line and a row count")
+    words = lines[0].split()
+    if not words or len(words) % 2 != 1 or any(not k.endswith(":") for k in words[1::2]):
+        raise UserError(f"{path}:1: expected '<POLICY> key: value ...', got {lines[0][:80]!r}")
+    header = {k[:-1]: _int(v, path, 1) for k, v in zip(words[1::2], words[2::2])}
+    count = _int(lines[1].strip(), path, 2)
+    body = [line for line in lines[2:] if line.strip()]
+    if len(body) != count:
+        raise UserError(f"{path}:2: the row count says {count} but {len(body)} rows follow")
+    return SimaiWorkload(policy=words[0], header=header, rows=[_row(line, path, i) for i, line in enumerate(body, 3)])
+
+
+def _row(line: str, path, number: int) -> SimaiRow:
+    f = line.split()  # the simulator reads fields with >>: any whitespace separates them
+    if len(f) != FIELDS:
+        raise UserError(f"{path}:{number}: expected {FIELDS} whitespace-separated fields, got {len(f)}")
+    for i in (3, 6, 9):
+        if f[i].removesuffix("_DP_EP").removesuffix("_EP") not in COMM_TYPES:
+            raise UserError(f"{path}:{number}: unknown comm type {f[i]!r}")
+    ints = {i: _int(f[i], path, number) for i in (1, 2, 4, 5, 7, 8, 10, 11)}
+    return SimaiRow(f[0], ints[2], f[3], ints[4], ints[5], f[6], ints[7], ints[8], f[9], ints[10], ints[11])
+
+
+def _cell(comm: Comm | None) -> tuple[str, int]:
+    return ("NONE", 0) if comm is None else (comm.type + GROUP_SUFFIX[comm.group], comm.bytes)
+
+
+def _int(value: str, path, number: int) -> int:
+    try:
+        return int(value)
+    except ValueError:
+        raise UserError(f"{path}:{number}: {value!r} is not an integer") from None
+

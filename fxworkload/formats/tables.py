@@ -1,0 +1,184 @@
+"""Writers: the per-node TSV (the reference layout), the full JSON, and the stdout summary."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import asdict, fields
+
+from tabulate import tabulate
+
+from ..capture.trace import PHASES
+from ..workload.table import GradRow, NodeRow, OpCost, Workload
+
+TSV_COLUMNS = ["name", "forward_compute_time", "forward_comm_type", "forward_comm_size",
+               "backward_compute_time", "backward_comm_type", "backward_comm_size",
+               "weight_grad_compute_time", "weight_grad_comm_type", "weight_grad_comm_size", "process_time"]
+GRAD_COMM_TYPE = "ALLREDUCE_ASYNC"
+NO_COMM = "None"
+
+
+def _ms(ns: float) -> str:
+    return repr(ns / 1e6)
+
+
+def estimated(op: OpCost) -> float:
+    return op.estimated_ns
+
+
+def tsv_text(workload: Workload, size_unit: str, op_ns: Callable[[OpCost], float] = estimated) -> str:
+    """The 11-column table; node times are ``op_ns`` summed per phase (estimates, or measured medians)."""
+    lines = ["\t".join(TSV_COLUMNS)]
+    for row in workload.rows:
+        if isinstance(row, GradRow):
+            size = row.bytes if size_unit == "bytes" else row.elements
+            fields = [row.name, "0", NO_COMM, "0", "0", GRAD_COMM_TYPE, str(size), "0", NO_COMM, "0", "0"]
+        else:
+            forward_ns, input_grad_ns, weight_grad_ns = phase_ns(row, op_ns)
+            fields = [row.name, _ms(forward_ns), NO_COMM, "0", _ms(input_grad_ns), NO_COMM, "0",
+                      _ms(weight_grad_ns), NO_COMM, "0", "0"]
+        lines.append("\t".join(fields))
+    return "\n".join(lines) + "\n"
+
+
+def phase_ns(row: NodeRow, op_ns: Callable[[OpCost], float]) -> tuple[float, ...]:
+    return tuple(sum(map(op_ns, row.ops(phase))) for phase in PHASES)
+
+
+def json_text(workload: Workload, settings: dict, device_profile: dict) -> str:
+    unruled = sorted({op.op for op in workload.ops() if not op.has_flop_rule})
+    document = {"settings": settings, "device": device_profile, "totals": workload.totals(),
+                "unruled_ops": unruled, "rows": row_documents(workload, "estimated", estimated, op_document)}
+    return document_text(document)
+
+
+def document_text(document: dict) -> str:
+    """JSON with one top-level key per line and one row per line: readable with grep and diff, and
+    written by json's C encoder (an indented dump takes its pure-Python path, ~10x slower on 70B)."""
+    parts = []
+    for key, value in document.items():
+        if key == "rows":
+            body = ",\n".join(json.dumps(row) for row in value)
+            parts.append(f'"rows": [\n{body}\n]')
+        else:
+            parts.append(f"{json.dumps(key)}: {json.dumps(value)}")
+    return "{\n" + ",\n".join(parts) + "\n}\n"
+
+
+OP_FIELDS = tuple(f.name for f in fields(OpCost) if f.name != "fx_name")
+
+
+def op_document(op: OpCost) -> dict:
+    return {name: getattr(op, name) for name in OP_FIELDS}
+
+
+def row_documents(workload: Workload, label: str, op_ns: Callable[[OpCost], float],
+                  op_document: Callable[[OpCost], dict]) -> list[dict]:
+    """Every row as a dict; node rows carry their ops, ``<phase>_<label>_ns`` the per-phase sums.
+    Layers that one captured layer stands for share their op objects: each is documented once."""
+    documented: dict[int, dict] = {}
+
+    def document(op: OpCost) -> dict:
+        if id(op) not in documented:
+            documented[id(op)] = op_document(op)
+        return documented[id(op)]
+
+    rows = []
+    for row in workload.rows:
+        if isinstance(row, GradRow):
+            rows.append({"type": "gradient_allreduce", "comm_type": GRAD_COMM_TYPE, **asdict(row)})
+            continue
+        times = phase_ns(row, op_ns)
+        rows.append({"type": "node", "name": row.name, "module": row.module,
+                     **{f"{phase}_{label}_ns": ns for phase, ns in zip(PHASES, times)},
+                     "forward": document(row.forward),
+                     "input_grad": [document(op) for op in row.input_grad],
+                     "weight_grad": [document(op) for op in row.weight_grad]})
+    return rows
+
+
+def summary_text(workload: Workload, settings: dict, top: int = 10) -> str:
+    totals = workload.totals()
+    tokens = settings["batch"] * settings["seq"]
+    key_figures = [
+        ["model", settings["model"]],
+        ["device", settings["device"]],
+        ["dtype / grad dtype", f"{settings['dtype']} / {settings['grad_dtype']}"],
+        ["trainable parameters", f"{totals['parameters']:,}"],
+        ["tokens per step (batch x seq)", f"{tokens:,} ({settings['batch']} x {settings['seq']})"],
+        ["gradient all-reduce bytes", f"{totals['gradient_bytes']:,}"],
+    ]
+    phases = [[phase, f"{totals[f'{phase}_flops']:.4e}", f"{totals[f'{phase}_bytes']:.4e}",
+               f"{totals[f'{phase}_estimated_ns'] / 1e6:.3f}"]
+              for phase in ("forward", "input_grad", "weight_grad")]
+    phases.append(["step", f"{sum(totals[f'{p}_flops'] for p in ('forward', 'input_grad', 'weight_grad')):.4e}",
+                   f"{sum(totals[f'{p}_bytes'] for p in ('forward', 'input_grad', 'weight_grad')):.4e}",
+                   f"{totals['step_estimated_ns'] / 1e6:.3f}"])
+    costliest = sorted(workload.node_rows, key=lambda r: r.total_ns, reverse=True)[:top]
+    top_rows = [[r.name, r.forward.op, f"{r.forward.estimated_ns / 1e6:.4f}", f"{r.backward_ns / 1e6:.4f}",
+                 f"{r.weight_grad_ns / 1e6:.4f}", f"{r.total_ns / 1e6:.4f}"] for r in costliest]
+    return "\n\n".join([
+        tabulate(key_figures, tablefmt="simple"),
+        tabulate(phases, headers=["phase", "flops", "bytes", "estimated_ms"], tablefmt="simple"),
+        f"The {len(top_rows)} costliest nodes (estimated ms):\n" + tabulate(
+            top_rows, headers=["name", "op", "forward", "input_grad", "weight_grad", "total"], tablefmt="simple"),
+    ]) + "\n"
+
+
+def rank_summary_text(rank) -> str:
+    """One rank's layer-level view: compute per micro-batch and the bytes of each kind of collective."""
+    p = rank.parallel
+    units = [u for u in rank.units if u.block != "dp"]
+    comm_bytes: dict[str, int] = {}
+    for unit in rank.units:
+        for phase in PHASES:
+            for comm in unit.comms[phase]:
+                key = f"{comm.type} over {comm.group}"
+                comm_bytes[key] = comm_bytes.get(key, 0) + comm.bytes
+    lines = [["rank", f"stage {p.stage} of {p.pp}, layers {rank.layers.start}-{rank.layers.stop - 1}, "
+                      f"tp {p.tp}, dp {p.dp}, ep {p.ep}, sp {'on' if p.sp else 'off'}, zero {p.zero}"],
+             ["world size", f"{p.world}"],
+             ["units (layer-level rows)", f"{len(units)}"],
+             *([f"{phase} estimated ms per micro-batch", f"{sum(u.ns(phase) for u in units) / 1e6:.3f}"]
+               for phase in PHASES),
+             ["pipeline send bytes", f"{rank.pp_comm_bytes:,}"]]
+    lines += [[f"{key} bytes (dp: per step; others: per micro-batch)", f"{value:,}"]
+              for key, value in sorted(comm_bytes.items())]
+    return tabulate(lines, tablefmt="simple") + "\n"
+
+
+def measured_json_text(measurement) -> str:
+    """measured.json: the rows of workload.json, each op with its measured median and spread."""
+    def measured_op(op: OpCost) -> dict:
+        document = {k: v for k, v in op_document(op).items() if k not in ("estimated_ns", "has_flop_rule")}
+        timing = measurement.timings[op.fx_name]
+        return {**document, "measured_ns": timing.median_ns, "measured_min_ns": timing.min_ns,
+                "measured_max_ns": timing.max_ns}
+
+    document = {"settings": measurement.settings, "verification": measurement.verification,
+                "totals": measured_totals(measurement),
+                "rows": row_documents(measurement.workload, "measured", measurement.op_ns, measured_op)}
+    return document_text(document)
+
+
+def measured_totals(measurement) -> dict:
+    totals = {f"{phase}_measured_ns": sum(map(measurement.op_ns, measurement.workload.ops(phase))) for phase in PHASES}
+    totals["step_measured_ns"] = sum(totals.values())
+    totals["eager_step_ns"] = measurement.eager_step_ns
+    return totals
+
+
+def measured_summary_text(measurement) -> str:
+    totals = measured_totals(measurement)
+    settings, check = measurement.settings, measurement.verification
+    key_figures = [["model", f"{settings['model']} ({settings['weights']})"],
+                   ["device", f"{settings['device']}, timed with {settings['timer']}"],
+                   ["batch x seq, dtype", f"{settings['batch']} x {settings['seq']}, {settings['dtype']}"],
+                   ["runs", f"{settings['warmup']} warm-up + {settings['repeat']} timed; medians per op"],
+                   ["vs eager loss.backward()", f"loss {check['graph_loss']:.6f} = {check['eager_loss']:.6f}; "
+                    f"largest gradient difference {check['max_gradient_relative_difference']:.1e} (relative)"]]
+    phases = [[phase, f"{totals[f'{phase}_measured_ns'] / 1e6:.3f}"] for phase in PHASES]
+    phases.append(["step (sum of ops)", f"{totals['step_measured_ns'] / 1e6:.3f}"])
+    phases.append(["eager step (wall)", f"{totals['eager_step_ns'] / 1e6:.3f}"])
+    return "\n\n".join([tabulate(key_figures, tablefmt="simple"),
+                        tabulate(phases, headers=["phase", "measured_ms"], tablefmt="simple")]) + "\n"

@@ -1,0 +1,143 @@
+"""Fit a device profile from micro-benchmarks on this machine's CPU or GPU.
+
+Each figure is measured, not a datasheet peak, so both efficiencies are 1.0. Every rate is taken
+net of the per-kernel overhead, so that ``overhead + amount / rate`` gives the measured time:
+- per-kernel overhead: the median time of small out-of-place ops (add, mul, clone of 4 Ki
+  elements): dispatch plus the allocation every op of a training step makes;
+- GEMM throughput per dtype over a grid of shapes m, k, n in {64, 256, 1024, 4096, 32768}
+  (transformer GEMMs are skinny, tokens x hidden x 4·hidden, and LM heads have a vocabulary-sized
+  side: a square-only fit overrates them), leaving out shapes whose single call would take over
+  0.05 s (large ones, and fp16 on CPUs without native support);
+- memory bandwidth as a function of bytes moved: out-of-place adds x + y from 64 KiB to 256 MiB
+  (CPU) or 1 GiB (GPU) per operand, 3 x size bytes; out of place, because every op of a training step
+  writes a fresh tensor, and on a CPU large fresh tensors cost page faults;
+- per-op vector rates: common elementwise, softmax, norm and random ops on 1 Mi fp32 elements,
+  FLOPs counted by fxworkload's own per-element rules; their median is the rate of other ops.
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+import sys
+
+import torch
+
+from ..cost import flops as flop_rules
+from ..cost.devices import DeviceProfile
+from ..dtypes import DTYPES
+from .timing import Clock, describe, device_for
+
+aten = torch.ops.aten
+GEMM_DIMS = (64, 256, 1024, 4096, 32768)
+MAX_GEMM_SECONDS = 0.05
+ALWAYS_TIMED_FLOPS = 2 * 256 ** 3  # small shapes are timed even if an early, noisy sample predicts them slow
+VECTOR_ELEMENTS = 1 << 20
+
+
+def measure(on: str = "cpu", name: str = "cpu", progress=lambda text: None) -> DeviceProfile:
+    device = device_for(on)
+    clock = Clock(device)
+    launch_ns = _overhead_ns(clock)
+    progress(f"per-kernel overhead {launch_ns / 1e3:.2f} us")
+    gemm_tables = {}
+    for dtype_name, dtype in DTYPES.items():
+        gemm_tables[dtype_name] = _gemm_table(clock, dtype, launch_ns)
+        largest = _largest(gemm_tables[dtype_name])
+        progress(f"{dtype_name} GEMM: {len(gemm_tables[dtype_name])} shapes, largest "
+                 f"{'x'.join(str(d) for d in largest[:3])} at {largest[3] / 1e12:.3f} TFLOP/s")
+    memory_curve = _memory_curve(clock, launch_ns)
+    rates = [rate for _, rate in memory_curve]
+    progress(f"bandwidth {min(rates) / 1e9:.1f} to {max(rates) / 1e9:.1f} GB/s, "
+             f"{memory_curve[-1][1] / 1e9:.1f} GB/s at {memory_curve[-1][0] / 2 ** 20:.0f} MiB")
+    vector_by_op = _vector_rates(clock, launch_ns)
+    vector = statistics.median(vector_by_op.values())
+    progress(f"vector rates {min(vector_by_op.values()) / 1e9:.2f} to {max(vector_by_op.values()) / 1e9:.2f} GFLOP/s "
+             f"over {len(vector_by_op)} ops")
+    how = f"measured by 'fxworkload calibrate' on {describe(device)}"
+    return DeviceProfile(
+        name=name, description=describe(device),
+        matmul_flops_per_s={k: _largest(table)[3] for k, table in gemm_tables.items()},
+        vector_flops_per_s=vector,
+        memory_bytes_per_s=memory_curve[-1][1],
+        compute_efficiency=1.0, memory_efficiency=1.0, kernel_launch_ns=launch_ns,
+        matmul_flops_per_s_by_shape=gemm_tables, memory_bytes_per_s_by_bytes=memory_curve,
+        vector_flops_per_s_by_op=vector_by_op,
+        sources={"matmul_flops_per_s": f"{how}: the best rate of its GEMM table",
+                 "matmul_flops_per_s_by_shape": f"{how}: m, k, n in {GEMM_DIMS} per dtype, 2mkn / net median time",
+                 "memory_bytes_per_s_by_bytes": f"{how}: x + y, x and y of 64 KiB and up, "
+                                                "3 x size / net median time",
+                 "memory_bytes_per_s": f"{how}: the rate of the largest add of the curve",
+                 "vector_flops_per_s_by_op": f"{how}: each op on {VECTOR_ELEMENTS} fp32 elements",
+                 "vector_flops_per_s": f"{how}: the median of the per-op vector rates",
+                 "kernel_launch_ns": f"{how}: median time of add, mul, clone of 4096 elements",
+                 "compute_efficiency": "1.0: the rates are measured, not peaks",
+                 "memory_efficiency": "1.0: the bandwidth is measured, not a peak"})
+
+
+def _overhead_ns(clock: Clock) -> float:
+    """Called as the captured graph calls them: through the aten overload, from Python."""
+    x = torch.ones(4096, device=clock.device)
+    return statistics.median(clock.median_ns(lambda: op(*args), repeat=101, warmup=10)
+                             for op, args in ((aten.add.Tensor, (x, x)), (aten.mul.Tensor, (x, x)),
+                                              (aten.clone.default, (x,))))
+
+
+def _net_rate(amount: float, median_ns: float, launch_ns: float) -> float:
+    """Rate such that launch + amount / rate equals the measured time (overhead-dominated: 10% floor)."""
+    return amount / (1e-9 * max(median_ns - launch_ns, 0.1 * median_ns))
+
+
+def _gemm_table(clock: Clock, dtype: torch.dtype, launch_ns: float) -> list[list[float]]:
+    table, rate = [], None
+    for m, k, n in sorted(itertools.product(GEMM_DIMS, repeat=3), key=lambda s: s[0] * s[1] * s[2]):
+        flops = 2 * m * k * n
+        if flops > ALWAYS_TIMED_FLOPS and rate is not None and flops / rate > MAX_GEMM_SECONDS:
+            continue  # predicted from the shapes so far: too slow to be worth timing
+        a = torch.randn(m, k, device=clock.device).to(dtype)
+        b = torch.randn(k, n, device=clock.device).to(dtype)
+        median_ns = clock.median_ns(lambda: torch.mm(a, b), repeat=3, warmup=1)
+        table.append([m, k, n, _net_rate(flops, median_ns, launch_ns)])
+        rate = max(row[3] for row in table)
+    return table
+
+
+def _largest(table: list[list[float]]) -> list[float]:
+    return max(table, key=lambda row: row[0] * row[1] * row[2])
+
+
+def _memory_curve(clock: Clock, launch_ns: float) -> list[list[float]]:
+    largest = (1 << 30) if clock.cuda else (256 << 20)
+    curve, size = [], 64 << 10
+    while size <= largest:
+        x, y = (torch.empty(size // 4, device=clock.device).uniform_() for _ in range(2))
+        median_ns = clock.median_ns(lambda: x + y, repeat=7, warmup=2)
+        curve.append([float(3 * size), _net_rate(3 * size, median_ns, launch_ns)])
+        size *= 4
+    return curve
+
+
+def _vector_ops(device) -> list[tuple]:
+    x = torch.randn(VECTOR_ELEMENTS // 1024, 1024, device=device)
+    w, b = torch.ones(1024, device=device), torch.zeros(1024, device=device)
+    return [(aten.add.Tensor, (x, x)), (aten.mul.Tensor, (x, x)), (aten.div.Tensor, (x, x)),
+            (aten.exp.default, (x,)), (aten.tanh.default, (x,)), (aten.pow.Tensor_Scalar, (x, 3.0)),
+            (aten.gelu.default, (x,)), (aten.silu.default, (x,)), (aten.sigmoid.default, (x,)),
+            (aten.tanh_backward.default, (x, x)), (aten.gelu_backward.default, (x, x)),
+            (aten._softmax.default, (x, -1, False)), (aten._softmax_backward_data.default, (x, x, -1, x.dtype)),
+            (aten.native_layer_norm.default, (x, [1024], w, b, 1e-5)),
+            (aten.sum.dim_IntList, (x, [0])), (aten.bernoulli_.float, (torch.empty_like(x), 0.9)),
+            (aten.native_dropout.default, (x, 0.1, True))]
+
+
+def _vector_rates(clock: Clock, launch_ns: float) -> dict[str, float]:
+    rates = {}
+    for op, args in _vector_ops(clock.device):
+        op_flops = flop_rules.node_flops(op, args, {}, op(*args))
+        median_ns = clock.median_ns(lambda: op(*args), repeat=7, warmup=2)
+        rates[flop_rules.op_name(op)] = _net_rate(op_flops, median_ns, launch_ns)
+    return rates
+
+
+def say(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)

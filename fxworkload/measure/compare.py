@@ -1,0 +1,238 @@
+"""Estimated against measured op times: per op, per op kind, and end to end.
+
+Both files hold the same rows (the same model and settings give the same row names in the same
+order); within a row and phase, ops are paired by kind and by their order among the ops of that
+kind, so a graph captured for CUDA (another fused-attention kernel) still pairs with one captured
+for the CPU. An op that shapes or row names show to come from another step is an error.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import statistics
+from collections import defaultdict
+from dataclasses import dataclass
+from itertools import zip_longest
+from pathlib import Path
+
+from tabulate import tabulate
+
+from ..capture.trace import PHASES
+from ..errors import UserError
+from ..cost.flops import KINDS
+
+
+@dataclass(frozen=True)
+class OpPair:
+    row: str
+    op: str
+    kind: str
+    phase: str
+    estimated_ns: float
+    measured_ns: float
+
+    @property
+    def ratio(self) -> float | None:
+        return self.estimated_ns / self.measured_ns if self.measured_ns > 0 else None
+
+    @property
+    def absolute_error(self) -> float | None:
+        """|estimated − measured| / measured; None for ops that launch no kernel (estimated 0)."""
+        if self.estimated_ns <= 0 or self.measured_ns <= 0:
+            return None
+        return abs(self.estimated_ns - self.measured_ns) / self.measured_ns
+
+
+@dataclass
+class Comparison:
+    pairs: list[OpPair]
+    unpaired_ops: int  # ops present on one side only (e.g. the extra outputs of another attention kernel)
+    estimated_ns: dict[str, float]  # phase -> total, every op
+    measured_ns: dict[str, float]
+    eager_step_ns: float | None
+    estimated_settings: dict
+    measured_settings: dict
+
+
+def load_document(path: Path, expected_name: str) -> dict:
+    """A workload.json or measured.json, from its path, its folder, or the .tsv beside it."""
+    if path.is_dir():
+        path = path / expected_name
+    elif path.suffix == ".tsv":
+        path = path.with_suffix(".json")
+    try:
+        document = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise UserError(f"{path}: no such file; pass the {expected_name} fxworkload wrote, or its folder") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise UserError(f"{path}: cannot read it as JSON ({exc}); pass the {expected_name} fxworkload wrote") from None
+    time_key = "estimated_ns" if expected_name == "workload.json" else "measured_ns"
+    if not isinstance(document, dict) or not _has_op_times(document, time_key):
+        raise UserError(f"{path}: not a {expected_name} (no rows with per-op '{time_key}'); "
+                        f"pass the {expected_name} that fxworkload wrote")
+    document["path"] = str(path)
+    return document
+
+
+def _has_op_times(document: dict, time_key: str) -> bool:
+    rows = document.get("rows")
+    nodes = [r for r in rows if isinstance(r, dict) and r.get("type") == "node"] if isinstance(rows, list) else []
+    return bool(nodes) and all(isinstance(r.get("forward"), dict) and time_key in r["forward"] for r in nodes)
+
+
+def compare(estimated: dict, measured: dict) -> Comparison:
+    pairs, unpaired = [], 0
+    estimated_rows, measured_rows = _node_rows(estimated), _node_rows(measured)
+    for index, (e_row, m_row) in enumerate(zip_longest(estimated_rows, measured_rows), start=1):
+        if e_row is None or m_row is None or e_row["name"] != m_row["name"]:
+            raise UserError(f"row {index} does not match: estimated has {_name(e_row)}, measured has {_name(m_row)}; "
+                            "compare files of the same model, batch, seq and dtype")
+        for phase in PHASES:
+            row_pairs, row_unpaired = _pair_ops(e_row, m_row, phase, index)
+            pairs += row_pairs
+            unpaired += row_unpaired
+    return Comparison(
+        pairs=pairs, unpaired_ops=unpaired,
+        estimated_ns={p: sum(r[f"{p}_estimated_ns"] for r in estimated_rows) for p in PHASES},
+        measured_ns={p: sum(r[f"{p}_measured_ns"] for r in measured_rows) for p in PHASES},
+        eager_step_ns=measured.get("totals", {}).get("eager_step_ns"),
+        estimated_settings=estimated.get("settings", {}), measured_settings=measured.get("settings", {}))
+
+
+def _node_rows(document: dict) -> list[dict]:
+    return [r for r in document["rows"] if r.get("type") == "node"]
+
+
+def _name(row: dict | None) -> str:
+    return f"'{row['name']}'" if row else "no more rows"
+
+
+def _ops(row: dict, phase: str) -> list[dict]:
+    return [row[phase]] if phase == "forward" else row[phase]
+
+
+def _by_kind(ops: list[dict]) -> dict[tuple[str, int], dict]:
+    seen: dict[str, int] = defaultdict(int)
+    keyed = {}
+    for op in ops:
+        keyed[(op["kind"], seen[op["kind"]])] = op
+        seen[op["kind"]] += 1
+    return keyed
+
+
+def _pair_ops(e_row: dict, m_row: dict, phase: str, index: int) -> tuple[list[OpPair], int]:
+    estimated, measured = _by_kind(_ops(e_row, phase)), _by_kind(_ops(m_row, phase))
+    pairs = []
+    for key in estimated.keys() & measured.keys():
+        e_op, m_op = estimated[key], measured[key]
+        if e_op["op"] == m_op["op"] and e_op["input_shapes"] != m_op["input_shapes"]:
+            raise UserError(f"row {index} '{e_row['name']}' does not match: its {phase} {e_op['op']} reads shapes "
+                            f"{e_op['input_shapes']} estimated but {m_op['input_shapes']} measured; "
+                            "profile with the same model, --batch, --seq and --dtype as the extraction")
+        pairs.append(OpPair(row=e_row["name"], op=e_op["op"], kind=e_op["kind"], phase=phase,
+                            estimated_ns=e_op["estimated_ns"], measured_ns=m_op["measured_ns"]))
+    pairs.sort(key=lambda pair: (PHASES.index(pair.phase), pair.kind, pair.op))
+    return pairs, len(estimated.keys() ^ measured.keys())
+
+
+def relative_error(estimated_ns: float, measured_ns: float) -> float | None:
+    return (estimated_ns - measured_ns) / measured_ns if measured_ns > 0 else None
+
+
+def kind_summary(comparison: Comparison) -> list[dict]:
+    by_kind: dict[str, list[OpPair]] = defaultdict(list)
+    for pair in comparison.pairs:
+        by_kind[pair.kind].append(pair)
+    summary = []
+    for kind in sorted(by_kind, key=lambda k: KINDS.index(k) if k in KINDS else len(KINDS)):
+        pairs = by_kind[kind]
+        errors = [e for e in (p.absolute_error for p in pairs) if e is not None]
+        summary.append({"kind": kind, "count": len(pairs),
+                        "estimated_ns": sum(p.estimated_ns for p in pairs),
+                        "measured_ns": sum(p.measured_ns for p in pairs),
+                        "median_abs_error": statistics.median(errors) if errors else None})
+    return summary
+
+
+def overall(comparison: Comparison) -> list[dict]:
+    e, m = comparison.estimated_ns, comparison.measured_ns
+    spans = {"forward": ("forward",), "backward": ("input_grad", "weight_grad"), "step": PHASES}
+    out = []
+    for name, phases in spans.items():
+        estimated_ns, measured_ns = sum(e[p] for p in phases), sum(m[p] for p in phases)
+        out.append({"span": name, "estimated_ns": estimated_ns, "measured_ns": measured_ns,
+                    "error": relative_error(estimated_ns, measured_ns)})
+    return out
+
+
+def time_weighted_error(comparison: Comparison) -> float | None:
+    """Σ |estimated − measured| / Σ measured over every paired op."""
+    measured = sum(p.measured_ns for p in comparison.pairs)
+    return sum(abs(p.estimated_ns - p.measured_ns) for p in comparison.pairs) / measured if measured else None
+
+
+def _pct(fraction: float | None, signed: bool = False) -> str:
+    return "-" if fraction is None else f"{100 * fraction:+.1f}%" if signed else f"{100 * fraction:.1f}%"
+
+
+def report_text(comparison: Comparison, top: int = 15) -> str:
+    e_settings, m_settings = comparison.estimated_settings, comparison.measured_settings
+    head = (f"estimated: {e_settings.get('model')} on device profile '{e_settings.get('device')}'; "
+            f"measured: {m_settings.get('model')} on {m_settings.get('device')}, "
+            f"batch {m_settings.get('batch')} x seq {m_settings.get('seq')}, {m_settings.get('dtype')}")
+    spans = [[s["span"], f"{s['estimated_ns'] / 1e6:.3f}", f"{s['measured_ns'] / 1e6:.3f}", _pct(s["error"], True)]
+             for s in overall(comparison)]
+    notes = [f"time-weighted error over {len(comparison.pairs)} paired ops: {_pct(time_weighted_error(comparison))}"]
+    if comparison.eager_step_ns:
+        notes.append(f"measured eager step (wall, for reference): {comparison.eager_step_ns / 1e6:.3f} ms")
+    if comparison.unpaired_ops:
+        notes.append(f"{comparison.unpaired_ops} ops on one side only (another kernel variant); in the totals only")
+    kinds = [[k["kind"], k["count"], f"{k['estimated_ns'] / 1e6:.3f}", f"{k['measured_ns'] / 1e6:.3f}",
+              _pct(k["median_abs_error"])] for k in kind_summary(comparison)]
+    longest = sorted(comparison.pairs, key=lambda p: p.measured_ns, reverse=True)
+    ops = [[p.row, p.phase, p.op, f"{p.estimated_ns / 1e6:.4f}", f"{p.measured_ns / 1e6:.4f}",
+            "-" if p.ratio is None else f"{p.ratio:.2f}"] for p in (longest[:top] if top > 0 else longest)]
+    return "\n\n".join([
+        head,
+        tabulate(spans, headers=["span", "estimated_ms", "measured_ms", "error"], tablefmt="simple"),
+        "\n".join(notes),
+        tabulate(kinds, headers=["kind", "ops", "estimated_ms", "measured_ms", "median_abs_error"], tablefmt="simple"),
+        f"{'All' if top <= 0 else f'The {len(ops)} longest'} ops by measured time:\n" + tabulate(
+            ops, headers=["row", "phase", "op", "estimated_ms", "measured_ms", "ratio"], tablefmt="simple"),
+    ]) + "\n"
+
+
+def plot_png(comparison: Comparison) -> bytes:
+    """Estimated vs measured ms per op, log-log, one colour per op kind, with the y = x line, as PNG bytes."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise UserError("--plot needs matplotlib: pip install 'fxworkload[plot]' (make run installs it)") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    points = [p for p in comparison.pairs if p.estimated_ns > 0 and p.measured_ns > 0]
+    figure, axes = plt.subplots(figsize=(7, 6), dpi=120)
+    for kind in KINDS:
+        mine = [p for p in points if p.kind == kind]
+        if mine:
+            axes.scatter([p.measured_ns / 1e6 for p in mine], [p.estimated_ns / 1e6 for p in mine],
+                         s=10, alpha=0.7, label=f"{kind} ({len(mine)})")
+    if points:
+        low = min(min(p.measured_ns, p.estimated_ns) for p in points) / 1e6 / 1.5
+        high = max(max(p.measured_ns, p.estimated_ns) for p in points) / 1e6 * 1.5
+        axes.plot([low, high], [low, high], color="black", linewidth=0.8, label="y = x")
+    axes.set_xscale("log")
+    axes.set_yscale("log")
+    axes.set_xlabel("measured ms")
+    axes.set_ylabel("estimated ms")
+    settings = comparison.measured_settings
+    axes.set_title(f"{settings.get('model')} B={settings.get('batch')} S={settings.get('seq')} "
+                   f"{settings.get('dtype')}: estimated vs measured per op", fontsize=10)
+    axes.legend(fontsize=8)
+    figure.tight_layout()
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", metadata={"Software": None})
+    plt.close(figure)
+    return buffer.getvalue()

@@ -1,0 +1,239 @@
+"""Measured kernel times (gemm.csv, sdpa.csv, vector.csv) held against the GPU model, and the fit.
+
+The files have the columns documented in shared/gpu-kernels/README.md (and written by
+``calibrate --on cuda``). Every row is turned into the aten ops PyTorch runs for it by tracing the
+call on fake tensors through the same capture and costing path as ``extract`` (GEMM operands laid
+out as the row's layout says, SDPA through the GPU dispatch rules), so what is checked is the model
+that extract uses. A row's estimate is the steady state of back-to-back calls, as measured: the
+larger of the host's dispatch and the GPU's kernels.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from ..capture.attention import GpuDispatch, GpuTarget
+from ..capture.trace import FORWARD
+from ..cost.devices import DeviceProfile
+from ..cost.gpu import GpuModel
+from ..dtypes import DTYPES
+from ..errors import UserError
+from ..workload.table import OpCost, cost_of, op_dispatch_ns, op_estimate_ns
+
+COLUMNS = {"gemm.csv": ("dtype", "m", "k", "n", "layout", "us"),
+           "sdpa.csv": ("dtype", "batch", "heads", "kv_heads", "seq", "head_dim", "causal", "dropout", "mask",
+                        "fwd_us", "bwd_us", "fwd_kernels"),
+           "vector.csv": ("op", "dtype", "rows", "cols", "us")}
+NUMERIC = {"m", "k", "n", "us", "batch", "heads", "kv_heads", "seq", "head_dim", "dropout", "fwd_us", "bwd_us",
+           "rows", "cols"}
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One measured time and the ops that make it up."""
+    family: str  # gemm, sdpa, vector
+    group: str  # the class it is reported under (e.g. "bf16 aligned NT", "cudnn causal fwd", "softmax")
+    measured_ns: float
+    ops: tuple[OpCost, ...]
+    row: int  # line in its file
+
+
+def read_rows(path: Path) -> list[dict]:
+    """The rows of one kernel CSV, checked: every documented column present, numbers numeric."""
+    try:
+        with open(path, newline="") as f:
+            reader = csv.DictReader(f)
+            header = reader.fieldnames or []
+            missing = [c for c in COLUMNS[path.name] if c not in header]
+            if missing:
+                raise UserError(f"{path}: missing column '{missing[0]}'; the columns are {', '.join(COLUMNS[path.name])}")
+            rows = list(reader)
+    except OSError as exc:
+        raise UserError(f"{path}: cannot read it ({exc.strerror})") from None
+    for number, row in enumerate(rows, start=2):
+        for column in COLUMNS[path.name]:
+            value = row.get(column) or ""
+            if column in NUMERIC and not (column.endswith("us") and _is_error(row)):
+                try:
+                    if not math.isfinite(float(value)):
+                        raise ValueError
+                except ValueError:
+                    raise UserError(f"{path}:{number}: column '{column}' is {value!r}, not a finite number") from None
+        row["_line"] = number
+    return rows
+
+
+def _is_error(row: dict) -> bool:
+    return str(row.get("fwd_kernels", "")).startswith("error")
+
+
+def samples(data_dir: Path, target: GpuTarget) -> list[Sample]:
+    out = []
+    for name, build in (("gemm.csv", gemm_samples), ("sdpa.csv", lambda rows: sdpa_samples(rows, target)),
+                        ("vector.csv", lambda rows: vector_samples(rows, target))):
+        path = data_dir / name
+        if not path.is_file():
+            raise UserError(f"{data_dir}: no {name}; a kernel data folder holds gemm.csv, sdpa.csv and vector.csv")
+        out += build(read_rows(path))
+    return out
+
+
+def _fake(*shape, dtype, requires_grad=False):
+    return torch.empty(*shape, dtype=dtype, requires_grad=requires_grad)
+
+
+def _traced_ops(fn: Callable, inputs: list) -> list[OpCost]:
+    """The costed-free OpCosts of every call_function node fn runs, in order."""
+    graph = make_fx(fn, tracing_mode="fake")(*inputs).graph
+    return [cost_of(node, FORWARD, None) for node in graph.nodes if node.op == "call_function"]
+
+
+def gemm_samples(rows: list[dict]) -> list[Sample]:
+    out = []
+    for row in rows:
+        dtype, m, k, n, layout = DTYPES[row["dtype"]], int(row["m"]), int(row["k"]), int(row["n"]), row["layout"]
+        with FakeTensorMode():
+            a = _fake(k, m, dtype=dtype).t() if layout == "TN" else _fake(m, k, dtype=dtype)
+            b = _fake(n, k, dtype=dtype).t() if layout == "NT" else _fake(k, n, dtype=dtype)
+        ops = tuple(_traced_ops(torch.mm, [a, b]))
+        itemsize = dtype.itemsize
+        leading = ops[0].gemm_leading
+        aligned = "fp32" if itemsize == 4 else (
+            "aligned" if all(ld * itemsize % 16 == 0 for ld in leading) else "unaligned")
+        out.append(Sample("gemm", f"{row['dtype'] if aligned == 'fp32' else aligned} {layout}",
+                          float(row["us"]) * 1e3, ops, row["_line"]))
+    return out
+
+
+def sdpa_samples(rows: list[dict], target: GpuTarget) -> list[Sample]:
+    out = []
+    for row in rows:
+        if _is_error(row):
+            continue
+        dtype = DTYPES[row["dtype"]]
+        b, h, hkv, s, d = (int(row[c]) for c in ("batch", "heads", "kv_heads", "seq", "head_dim"))
+        causal, dropout, mask_kind = row["causal"] == "True", float(row["dropout"]), row["mask"]
+        with FakeTensorMode():
+            q, k, v = (_fake(b, heads, s, d, dtype=dtype, requires_grad=True) for heads in (h, hkv, hkv))
+            grad = _fake(b, h, s, d, dtype=dtype)
+            mask = None if mask_kind == "none" else _fake(s, s, dtype=torch.bool)
+        window = mask is not None
+
+        def forward(q, k, v, mask):
+            with GpuDispatch(target):
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
+                                                      is_causal=causal and not window, enable_gqa=h != hkv)
+
+        def step(q, k, v, grad, mask):
+            out = forward(q, k, v, mask)
+            return torch.autograd.grad(out, (q, k, v), grad)
+
+        forward_ops = _traced_ops(forward, [q, k, v, mask])
+        all_ops = _traced_ops(step, [q, k, v, grad, mask])
+        backend = next((op.sdpa_backend for op in forward_ops if op.sdpa_backend), "math")
+        what = f"{backend} {row['dtype']} {'causal' if causal else 'full'} {mask_kind} dropout={dropout:g}"
+        out.append(Sample("sdpa", f"{what} fwd", float(row["fwd_us"]) * 1e3, tuple(forward_ops), row["_line"]))
+        out.append(Sample("sdpa", f"{what} bwd", float(row["bwd_us"]) * 1e3,
+                          tuple(all_ops[len(forward_ops):]), row["_line"]))
+    return out
+
+
+def _rms_norm_hf(x, weight):
+    """HuggingFace's LlamaRMSNorm.forward, op for op."""
+    hidden = x.to(torch.float32)
+    variance = hidden.pow(2).mean(-1, keepdim=True)
+    hidden = hidden * torch.rsqrt(variance + 1e-6)
+    return weight * hidden.to(x.dtype)
+
+
+# The ops of vector.csv. add and mul take a scalar second operand: the measured times are those of
+# two tensor streams (one read, one write), not three.
+VECTOR_OPS: dict[str, Callable] = {
+    "add": lambda x, w, t: x + 1.0, "mul": lambda x, w, t: x * 2.0, "gelu": lambda x, w, t: F.gelu(x),
+    "gelu_tanh": lambda x, w, t: F.gelu(x, approximate="tanh"), "silu": lambda x, w, t: F.silu(x),
+    "softmax": lambda x, w, t: torch.softmax(x, -1), "copy": lambda x, w, t: x.clone(),
+    "layer_norm": lambda x, w, t: F.layer_norm(x, (x.shape[-1],), w, w),
+    "rms_norm_hf": lambda x, w, t: _rms_norm_hf(x, w), "dropout": lambda x, w, t: F.dropout(x, 0.1, True),
+    "to_fp32": lambda x, w, t: x.float(), "sum_lastdim": lambda x, w, t: x.sum(-1),
+    "cross_entropy": lambda x, w, t: F.cross_entropy(x.float(), t),
+}
+
+
+def _on_gpu(op: Callable, target: GpuTarget) -> Callable:
+    def call(x, w, t):
+        with GpuDispatch(target):
+            return op(x, w, t)
+    return call
+
+
+def vector_samples(rows: list[dict], target: GpuTarget) -> list[Sample]:
+    out = []
+    for row in rows:
+        if row["op"] not in VECTOR_OPS:
+            raise UserError(f"vector.csv:{row['_line']}: unknown op '{row['op']}'; known: {', '.join(VECTOR_OPS)}")
+        dtype, r, c = DTYPES[row["dtype"]], int(row["rows"]), int(row["cols"])
+        with FakeTensorMode():
+            x, w, t = _fake(r, c, dtype=dtype), _fake(c, dtype=dtype), torch.zeros(r, dtype=torch.long)
+        ops = tuple(_traced_ops(_on_gpu(VECTOR_OPS[row["op"]], target), [x, w, t]))
+        out.append(Sample("vector", row["op"], float(row["us"]) * 1e3, ops, row["_line"]))
+    return out
+
+
+def estimate_ns(sample: Sample, device: DeviceProfile) -> float:
+    """Back-to-back calls: the host issues every op of a call, the GPU runs every kernel; the slower wins."""
+    kernels = sum(op_estimate_ns(op, device) for op in sample.ops)
+    dispatch = sum(op_dispatch_ns(op, device) for op in sample.ops)
+    return max(kernels, dispatch)
+
+
+def relative_errors(samples: list[Sample], device: DeviceProfile) -> list[float]:
+    return [(estimate_ns(s, device) - s.measured_ns) / s.measured_ns for s in samples]
+
+
+# Which parameters each family's rows decide, fitted in this order.
+FAMILY_PARAMETERS = {
+    "vector": ("memory_efficiency", "vector_kernel_ns", "host_dispatch_ns"),
+    "gemm": ("gemm_tensor_efficiency", "gemm_sm80_efficiency", "gemm_align1_efficiency", "gemm_fp32_efficiency",
+             "gemm_tile_edge", "gemm_kernel_ns", "gemm_min_ns"),
+    "sdpa": ("attention_kernel_ns", "cudnn_forward_efficiency", "cudnn_backward_efficiency",
+             "efficient_forward_efficiency", "efficient_backward_efficiency", "attention_forward_dropout_cost",
+             "attention_backward_dropout_cost"),
+}
+STEPS = (0.5, 0.7, 0.85, 0.93, 1.07, 1.15, 1.4, 2.0)
+
+
+def with_model(device: DeviceProfile, model: GpuModel) -> DeviceProfile:
+    return replace(device, gpu_model_fit="", gpu_model_parameters=model.as_dict())
+
+
+def fit(samples: list[Sample], device: DeviceProfile, rounds: int = 6) -> GpuModel:
+    """Coordinate descent in log steps on each family's median plus 0.3 x p90 absolute relative error."""
+    model = device.gpu_model()
+    for family, names in FAMILY_PARAMETERS.items():
+        mine = [s for s in samples if s.family == family]
+        if not mine:
+            continue
+
+        def loss(candidate: GpuModel) -> float:
+            errors = sorted(abs(e) for e in relative_errors(mine, with_model(device, candidate)))
+            return statistics.median(errors) + 0.3 * errors[int(0.9 * (len(errors) - 1))]
+
+        best = loss(model)
+        for _ in range(rounds):
+            for name in names:
+                for step in STEPS:
+                    candidate = replace(model, **{name: getattr(model, name) * step})
+                    score = loss(candidate)
+                    if score < best:
+                        model, best = candidate, score
+    return model

@@ -1,0 +1,164 @@
+"""Measure one training step node by node on real tensors, on this machine's CPU or GPU.
+
+The step is the same captured joint graph that ``extract`` costs (same ops, same row names),
+captured over fake tensors of the device it will run on and then run on real ones by an fx
+Interpreter that times every op: ``perf_counter_ns`` on the CPU, CUDA events on a GPU. After
+warm-up, every op's median over ``repeat`` runs is kept, with its spread.
+
+Before timing, the run is checked against the model itself: the loss and every parameter
+gradient of the node-by-node run must equal a plain eager ``model(...).loss.backward()`` on the
+same inputs with the same random seed (dropout masks included).
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+import transformers
+
+from .. import __version__
+
+from ..capture import models
+from ..capture.models import check_settings, step_seq
+from ..capture.trace import capture_training_step
+from ..dtypes import DTYPES
+from ..errors import UserError
+from ..cost.flops import register_transformers_ops
+from .timing import Clock, describe, device_for
+from ..workload.table import Workload, build
+
+SEED = 0
+# Largest gradient difference, relative to the gradient's largest magnitude, still called equal.
+GRAD_TOLERANCE = {"fp32": 1e-4, "bf16": 3e-2, "fp16": 1e-2}
+
+
+@dataclass(frozen=True)
+class OpTiming:
+    median_ns: float
+    min_ns: float
+    max_ns: float
+
+
+@dataclass
+class Measurement:
+    spec: models.ModelSpec
+    workload: Workload  # the rows of the step; its estimated times are 0
+    timings: dict[str, OpTiming]  # fx node name -> its time
+    verification: dict
+    eager_step_ns: float  # median wall time of a plain eager training step, for reference
+    settings: dict
+
+    def op_ns(self, op) -> float:
+        return self.timings[op.fx_name].median_ns
+
+
+class NodeTimer(torch.fx.Interpreter):
+    """Runs a graph and records how long each op took (its arguments are fetched before timing starts)."""
+
+    def __init__(self, module: torch.fx.GraphModule, clock: Clock):
+        super().__init__(module)
+        self.clock = clock
+        self.laps = {}
+
+    def run_node(self, node: torch.fx.Node):
+        if node.op != "call_function":
+            return super().run_node(node)
+        args, kwargs = self.fetch_args_kwargs_from_env(node)
+        started = self.clock.start()
+        result = node.target(*args, **kwargs)
+        self.laps[node.name] = self.clock.stop(started)
+        return result
+
+
+def profile(model: str, batch: int = 1, seq: int | None = None, dtype: str = "fp32", on: str = "auto",
+            repeat: int = 5, warmup: int = 2, progress: bool = False) -> Measurement:
+    check_settings(batch, seq, dtype)
+    for name, value, least in (("repeat", repeat, 1), ("warmup", warmup, 0)):
+        if value < least:
+            raise UserError(f"--{name} must be at least {least}, got {value}")
+    device = device_for(on)
+    spec = models.resolve(model)
+    seq = step_seq(spec, seq)
+    say = (lambda text: print(text, file=sys.stderr, flush=True)) if progress else (lambda text: None)
+
+    source = "its checkpoint weights" if models.has_weights(spec) else f"random weights (seed {SEED})"
+    module = models.build_real_model(spec, DTYPES[dtype], device, seed=SEED)
+    say(f"loaded {spec.name} with {source} on {device} ({dtype})")
+    say(f"capturing one training step (batch {batch}, seq {seq})...")
+    capture = capture_training_step(module, batch, seq, device=device.type)
+    register_transformers_ops()
+    workload = build(capture, module, None, DTYPES[dtype])
+
+    parameters = dict(module.named_parameters())
+    values = [p.detach() for p in parameters.values()] + [b for _, b in module.named_buffers()]
+    generator = torch.Generator().manual_seed(SEED)
+    input_ids = torch.randint(0, spec.config.vocab_size, (batch, seq), generator=generator).to(device)
+
+    say("checking the node-by-node run against eager loss.backward()...")
+    verification = verify(module, capture.graph_module, values, input_ids, list(parameters), dtype)
+    clock = Clock(device)
+    say(f"timing every op: {warmup} warm-up and {repeat} timed runs...")
+    timings = time_ops(capture.graph_module, (values, input_ids), clock, repeat, warmup)
+    eager_step_ns = clock.median_ns(lambda: _eager_step(module, input_ids), repeat=repeat, warmup=1)
+    settings = {"model": spec.name, "model_type": spec.config.model_type, "task": spec.task, "batch": batch,
+                "seq": seq, "dtype": dtype, "weights": source, "device": describe(device),
+                "timer": "CUDA events" if clock.cuda else "time.perf_counter_ns",
+                "threads": torch.get_num_threads(), "repeat": repeat, "warmup": warmup,
+                "fxworkload_version": __version__, "torch_version": torch.__version__,
+                "transformers_version": transformers.__version__}
+    return Measurement(spec=spec, workload=workload, timings=timings, verification=verification,
+                       eager_step_ns=eager_step_ns, settings=settings)
+
+
+def time_ops(graph_module, inputs, clock: Clock, repeat: int, warmup: int) -> dict[str, OpTiming]:
+    samples: dict[str, list[float]] = defaultdict(list)
+    with torch.no_grad():
+        for run in range(warmup + repeat):
+            timer = NodeTimer(graph_module, clock)
+            timer.run(*inputs)
+            clock.sync()
+            if run >= warmup:
+                for name, lap in timer.laps.items():
+                    samples[name].append(lap.ns)
+    return {name: OpTiming(statistics.median(ns), min(ns), max(ns)) for name, ns in samples.items()}
+
+
+def verify(module, graph_module, values, input_ids, parameter_names, dtype: str) -> dict:
+    """Loss and gradients of the captured graph vs. the eager model; UserError if they differ."""
+    torch.manual_seed(SEED)
+    with torch.no_grad():
+        graph_loss, graph_grads = graph_module(values, input_ids)
+    torch.manual_seed(SEED)
+    eager_loss = _eager_step(module, input_ids)
+    parameters = dict(module.named_parameters())
+    worst_name, worst = "", 0.0
+    for name, grad in zip(parameter_names, graph_grads):
+        reference = parameters[name].grad
+        if reference is None or grad is None:
+            if (reference is None) != (grad is None):
+                raise UserError(f"the captured step and eager autograd disagree on whether '{name}' gets a gradient")
+            continue
+        scale = reference.abs().max().item() or 1.0
+        difference = (grad.float() - reference.float()).abs().max().item() / scale
+        if difference > worst:
+            worst_name, worst = name, difference
+    loss_difference = abs(graph_loss.item() - eager_loss.item()) / max(abs(eager_loss.item()), 1e-12)
+    tolerance = GRAD_TOLERANCE[dtype]
+    if worst > tolerance or loss_difference > tolerance:
+        raise UserError(f"the node-by-node step does not reproduce eager autograd: relative loss difference "
+                        f"{loss_difference:.2e}, gradient of '{worst_name}' differs by {worst:.2e} of its largest "
+                        f"value (tolerance {tolerance:g}); please report this model")
+    return {"graph_loss": graph_loss.item(), "eager_loss": eager_loss.item(),
+            "loss_relative_difference": loss_difference, "max_gradient_relative_difference": worst,
+            "worst_parameter": worst_name, "tolerance": tolerance, "equal": True}
+
+
+def _eager_step(module, input_ids) -> torch.Tensor:
+    module.zero_grad(set_to_none=True)
+    loss = module(input_ids, labels=input_ids).loss
+    loss.backward()
+    return loss.detach()

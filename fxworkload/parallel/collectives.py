@@ -1,0 +1,126 @@
+"""The communication of one rank in a Megatron-LM style layout: which collectives, of what size, where.
+
+Tensor parallelism (Shoeybi et al. 2019; Korthikanti et al. 2022 for sequence parallelism):
+without SP a block's row-parallel output is all-reduced in forward and its column-parallel
+input gradient in backward; with SP each becomes an all-gather / reduce-scatter pair. The
+embedding is vocabulary-parallel (its output is all-reduced, or reduce-scattered with SP) and so
+is the cross entropy (three all-reduces of one fp32 value per token: max logit, sum of
+exponentials, target logit). Every activation collective moves micro-batch·seq·hidden values.
+Expert parallelism: each MoE layer dispatches and combines its routed tokens with all-to-alls in
+forward, and again in backward. Data parallelism (PyTorch DDP, ZeRO): gradients are reduced in
+buckets assigned as DDP assigns them; ZeRO 1/2 reduce-scatter them and all-gather the
+updated parameters; ZeRO 3 also all-gathers the parameters before forward and backward use.
+Expert parameters are reduced over the expert-data-parallel group (dp / ep ranks).
+"""
+
+from __future__ import annotations
+
+from ..capture.trace import FORWARD, INPUT_GRAD, WEIGHT_GRAD
+from .layout import Parallel
+from .units import EMBEDDING, HEAD, Comm, Unit, is_expert
+
+ALLREDUCE, ALLGATHER, REDUCESCATTER, ALLTOALL = "ALLREDUCE", "ALLGATHER", "REDUCESCATTER", "ALLTOALL"
+LOSS_BYTES_PER_TOKEN = 4  # Megatron's vocab-parallel cross entropy reduces fp32 values
+FIRST_BUCKET_BYTES = 1 << 20  # PyTorch DDP's first bucket (dist._DEFAULT_FIRST_BUCKET_BYTES)
+
+
+def stage_units(units: list[Unit], stage_layers: range, first: bool, last: bool) -> list[Unit]:
+    """The units one pipeline stage runs: its layers, the embedding on the first, the head on the last."""
+    return [u for u in units if (u.layer in stage_layers) or (u.block == EMBEDDING and first)
+            or (u.block == HEAD and last)]
+
+
+def add_model_parallel(units: list[Unit], p: Parallel, micro_batch: int, seq: int, hidden: int,
+                       act_itemsize: int, top_k: int) -> None:
+    """Attach the tensor- and expert-parallel collectives to each unit, in the order they run."""
+    act = micro_batch * seq * hidden * act_itemsize
+    tokens = micro_batch * seq // (p.tp if p.sp else 1)
+    for unit in units:
+        fwd, bwd = unit.comms[FORWARD], unit.comms[INPUT_GRAD]
+        if p.tp > 1:
+            if unit.block == EMBEDDING:
+                fwd.append(Comm(REDUCESCATTER if p.sp else ALLREDUCE, "tp", act, "vocab-parallel embedding output"))
+                if p.sp:
+                    bwd.append(Comm(ALLGATHER, "tp", act, "embedding output gradient"))
+            elif unit.block == HEAD:
+                if p.sp:
+                    fwd.append(Comm(ALLGATHER, "tp", act, "head input (sequence-parallel)"))
+                loss = micro_batch * seq * LOSS_BYTES_PER_TOKEN
+                fwd.extend(Comm(ALLREDUCE, "tp", loss, f"vocab-parallel cross entropy: {what}")
+                           for what in ("max logit", "target logit", "sum of exponentials"))
+                bwd.append(Comm(REDUCESCATTER if p.sp else ALLREDUCE, "tp", act, "head input gradient"))
+            elif p.sp:
+                fwd.extend([Comm(ALLGATHER, "tp", act, "block input (sequence-parallel)"),
+                            Comm(REDUCESCATTER, "tp", act, "row-parallel output")])
+                bwd.extend([Comm(ALLGATHER, "tp", act, "row-parallel output gradient"),
+                            Comm(REDUCESCATTER, "tp", act, "column-parallel input gradient")])
+            else:
+                fwd.append(Comm(ALLREDUCE, "tp", act, "row-parallel output"))
+                bwd.append(Comm(ALLREDUCE, "tp", act, "column-parallel input gradient"))
+        if p.ep > 1 and unit.moe:
+            routed = tokens * top_k * hidden * act_itemsize
+            for comms, phase in ((fwd, "forward"), (bwd, "backward")):
+                comms.extend(Comm(ALLTOALL, "ep", routed, f"token {what} ({phase})") for what in ("dispatch", "combine"))
+
+
+def data_parallel_units(units: list[Unit], p: Parallel, grad_itemsize: int, param_itemsize: int) -> list[Unit]:
+    """The stage's units with its data-parallel rows inserted: a gradient bucket's row sits just before
+    the unit whose backward completes the bucket, so the simulator issues it there."""
+    expert_dp = p.dp // p.ep
+    groups = [("dp", p.dp, [g for u in units for g in u.grads if not is_expert(g.module)]),
+              ("dp_ep", expert_dp, [g for u in units for g in u.grads if is_expert(g.module)])]
+    owner = {id(g): i for i, u in enumerate(units) for g in u.grads}
+    before: dict[int, list[Unit]] = {}
+    top: list[Unit] = []
+    for group, size, grads in groups:
+        if size == 1 or not grads:
+            continue
+        reduce = ALLREDUCE if p.zero == 0 else REDUCESCATTER
+        for k, bucket in enumerate(_buckets(grads, p.bucket_mb)):
+            nbytes = sum(g.elements for g in bucket) * grad_itemsize
+            row = _dp_row(f"{group}_{reduce.lower()}_bucket{k}", Comm(reduce, group, nbytes, "gradient bucket"))
+            before.setdefault(min(owner[id(g)] for g in bucket), []).append(row)
+        params = sum(g.elements for g in grads) * param_itemsize
+        if p.zero in (1, 2):
+            top.append(_dp_row(f"{group}_param_allgather", Comm(ALLGATHER, group, params, "updated parameters")))
+        if p.zero == 3:
+            top.extend(_dp_row(f"{group}_param_allgather_{phase}", Comm(ALLGATHER, group, params, f"parameters for {phase}"))
+                       for phase in ("forward", "backward"))
+    out = list(top)
+    for i, unit in enumerate(units):
+        out.extend(before.get(i, []))
+        out.append(unit)
+    return out
+
+
+def volume_bytes(comm: Comm, ranks: int) -> float:
+    """Bytes each rank sends in a ring implementation: 2(n-1)/n·S for all-reduce, (n-1)/n·S otherwise."""
+    share = (ranks - 1) / ranks * comm.bytes
+    return 2 * share if comm.type == ALLREDUCE else share
+
+
+def group_size(group: str, p: Parallel) -> int:
+    return {"tp": p.tp, "ep": p.ep, "dp": p.dp, "dp_ep": p.dp // p.ep}[group]
+
+
+def _buckets(grads: list, bucket_mb: float) -> list[list]:
+    """DDP's assignment (torch.distributed._compute_bucket_assignment_by_size): parameter groups in
+    definition order, a bucket closed once it reaches its cap, 1 MiB for the first (the groups defined
+    first, whose gradients come last) and bucket_mb MiB after; returned in the order backward fills
+    them, last-defined first. bucket_mb 0 = one bucket per group."""
+    if bucket_mb == 0:
+        return [[g] for g in reversed(grads)]
+    buckets, current, size = [], [], 0
+    for g in grads:
+        current.append(g)
+        size += g.bytes
+        if size >= (FIRST_BUCKET_BYTES if not buckets else int(bucket_mb * (1 << 20))):
+            buckets.append(current)
+            current, size = [], 0
+    return list(reversed(buckets + ([current] if current else [])))
+
+
+def _dp_row(name: str, comm: Comm) -> Unit:
+    unit = Unit(name=name, block="dp")
+    unit.comms[WEIGHT_GRAD].append(comm)
+    return unit

@@ -1,0 +1,96 @@
+"""Layer-level units of a per-node workload: the granularity of SimAI rows and of the trace timeline.
+
+A unit is the embedding, one tensor-parallel block of a decoder layer (attention, MLP) or the
+head (final norm, output projection, loss). A block runs from the end of the previous one to the
+last op of its row-parallel projection, the point where Megatron-LM reduces its output. Without
+a tensor-parallel plan a layer is one unit. The gradient rows of a unit's parameters travel with it.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from ..capture.trace import PHASES
+from ..workload.layers import layer_of
+from ..workload.table import GradRow, NodeRow, Workload
+
+EMBEDDING, ATTENTION, MLP, LAYER, HEAD = "embedding", "attention", "mlp", "layer", "head"
+
+
+@dataclass(frozen=True)
+class Comm:
+    type: str  # ALLREDUCE, ALLGATHER, REDUCESCATTER, ALLTOALL
+    group: str  # tp, ep, dp or dp_ep
+    bytes: int  # the collective's whole buffer, as SimAI and NCCL count it
+    what: str  # why it happens, for timelines
+
+
+@dataclass
+class Unit:
+    name: str
+    block: str  # EMBEDDING, ATTENTION, MLP, LAYER, HEAD, or "dp" for a data-parallel row
+    layer: int | None = None
+    rows: list[NodeRow] = field(default_factory=list)
+    grads: list[GradRow] = field(default_factory=list)
+    moe: bool = False
+    comms: dict[str, list[Comm]] = field(default_factory=lambda: {phase: [] for phase in PHASES})
+
+    def ops(self, phase: str) -> list:
+        return [op for row in self.rows for op in row.ops(phase)]
+
+    def ns(self, phase: str) -> float:
+        return sum(op.estimated_ns for op in self.ops(phase))
+
+    def flops(self, phase: str) -> int:
+        return sum(op.flops for op in self.ops(phase))
+
+
+def split(workload: Workload, stack: str | None, row_parallel: list[str]) -> list[Unit]:
+    """The units of the whole model, in forward order. ``stack`` is the decoder layers' ModuleList path."""
+    closers: dict[int | None, list[str]] = defaultdict(list)  # each layer's row-parallel projections
+    for path in row_parallel:
+        closers[layer_of(path, stack)].append(path)
+    units: list[Unit] = []
+    made: dict[int, int] = defaultdict(int)  # units started per layer
+    closer: str | None = None  # the row-parallel projection the last unit already holds
+    pending: list[GradRow] = []
+    for row in workload.rows:
+        if isinstance(row, GradRow):
+            pending.append(row)
+            continue
+        layer = layer_of(row.module, stack)
+        unit = units[-1] if units else None
+        if layer is None:
+            block = EMBEDDING if not any(u.layer is not None for u in units) else HEAD
+            if unit is None or unit.block != block:
+                unit, closer = Unit(name=block, block=block), None
+                units.append(unit)
+        elif unit is None or unit.layer != layer or (closer is not None and not _within(row.module, closer)
+                                                     and made[layer] < len(closers[layer])):
+            unit, closer = Unit(name="", block=LAYER if not row_parallel else MLP, layer=layer), None
+            units.append(unit)
+            made[layer] += 1
+        if layer is not None and closer is None:
+            closer = next((path for path in closers[layer] if _within(row.module, path)), None)
+            if closer is not None:
+                unit.block = ATTENTION if any("attn" in p or "attention" in p for p in closer.split(".")) else MLP
+        unit.rows.append(row)
+        unit.grads.extend(pending)
+        pending.clear()
+        unit.moe = unit.moe or is_expert(row.module)
+    if pending and units:
+        units[-1].grads.extend(pending)
+    for unit in units:
+        if unit.layer is not None:
+            unit.name = f"layer{unit.layer}" if unit.block == LAYER else f"layer{unit.layer}_{unit.block}"
+    return units
+
+
+def is_expert(module: str) -> bool:
+    """Whether a module path lies in a mixture-of-experts layer's expert weights."""
+    return "experts" in module.split(".")
+
+
+def _within(module: str, path: str) -> bool:
+    return module == path or module.startswith(path + ".")

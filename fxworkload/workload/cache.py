@@ -1,0 +1,70 @@
+"""On-disk cache of captured steps, so that re-costing never captures again.
+
+What is cached is the device-free table (rows, ops with FLOPs, bytes, shapes; no times), keyed by
+everything that shapes it: the model config, task, batch, seq, dtype, gradient dtype, the device
+the trace dispatched for, the fxworkload, torch and transformers versions, and a hash of this
+package's own source (so a changed FLOP rule never reads a stale entry). Entries are pickles
+written by this package into the user's own cache folder.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import pickle
+from pathlib import Path
+
+import torch
+import transformers
+
+from .. import __version__
+from ..cost.devices import cache_dir
+from .table import Workload
+
+
+def key(config, task: str, batch: int, seq: int, dtype: str, grad_dtype: str, trace_device: str,
+        shards: tuple[int, int] = (1, 1)) -> str:
+    """``shards``: the tensor- and expert-parallel degrees the traced model was split by."""
+    material = json.dumps({"config": config.to_dict(), "task": task, "batch": batch, "seq": seq, "dtype": dtype,
+                           "grad_dtype": grad_dtype, "trace_device": trace_device, "shards": list(shards),
+                           "fxworkload": __version__,
+                           "torch": torch.__version__, "transformers": transformers.__version__,
+                           "code": _code_hash()},
+                          sort_keys=True, default=str)
+    return hashlib.sha256(material.encode()).hexdigest()[:32]
+
+
+@functools.cache
+def _code_hash() -> str:
+    digest = hashlib.sha256()
+    package = Path(__file__).resolve().parents[1]
+    for source in sorted(package.rglob("*.py")):
+        digest.update(source.relative_to(package).as_posix().encode() + source.read_bytes())
+    return digest.hexdigest()
+
+
+def path_of(cache_key: str) -> Path:
+    return cache_dir() / "graphs" / f"{cache_key}.pkl"
+
+
+def load(cache_key: str) -> Workload | None:
+    try:
+        with open(path_of(cache_key), "rb") as f:
+            workload = pickle.load(f)
+    except (OSError, pickle.UnpicklingError, EOFError, AttributeError, ImportError):
+        return None  # absent, or written by another layout of this package: capture again
+    return workload if isinstance(workload, Workload) else None
+
+
+def save(cache_key: str, workload: Workload) -> None:
+    path = path_of(cache_key)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        with open(tmp, "wb") as f:
+            pickle.dump(workload, f, protocol=pickle.HIGHEST_PROTOCOL)
+        tmp.replace(path)
+    except OSError:
+        pass  # an unwritable cache only costs a capture next time

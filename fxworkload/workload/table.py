@@ -1,0 +1,290 @@
+"""From a captured training step to the per-node workload: costs, backward split, gradient rows."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from ..capture.attention import BACKEND_KEY, OP_BACKEND
+from ..capture.trace import FORWARD, INPUT_GRAD, PHASES, WEIGHT_GRAD, Capture
+from ..cost import flops as flop_rules
+from ..cost.devices import DeviceProfile
+from ..cost.gpu import two_stream_ns
+from ..cost.optime import attention_facts, gpu_op_ns
+from ..cost.roofline import estimate_ns
+from ..cost.traffic import bytes_moved, is_alias
+from ..dtypes import DTYPE_NAMES
+
+
+@dataclass(frozen=True)
+class OpCost:
+    fx_name: str  # the node's name in its captured graph (internal: not written, it numbers ops globally)
+    op: str  # aten overload, e.g. aten.addmm.default
+    kind: str  # matmul, attention, elementwise, norm, reduction, data_movement, view, other
+    phase: str  # forward, input_grad, weight_grad
+    input_shapes: list
+    input_dtypes: list
+    output_shapes: list
+    output_dtypes: list
+    flops: int
+    bytes: int
+    estimated_ns: float
+    has_flop_rule: bool
+    gemm_mkn: tuple[int, int, int] | None = None  # m, k, n of a plain or batched GEMM, for the roofline
+    gemm_leading: tuple[int, int, int] | None = None  # leading dimensions (elements) of A, B and C
+    gemm_batch: int = 1  # matrices in a batched GEMM
+    attention: dict | None = None  # a fused attention kernel: backend, shapes, is_causal, has_mask, dropout
+    sdpa_backend: str | None = None  # the SDPA implementation this op belongs to (cudnn, flash, efficient, math...)
+    dispatch_ns: float = 0.0  # host (CPU) time to issue it in an eager step; 0 where not modelled
+
+
+@dataclass
+class NodeRow:
+    """One forward node, with the backward ops autograd ran for it."""
+    name: str
+    module: str
+    forward: OpCost
+    input_grad: list[OpCost] = field(default_factory=list)
+    weight_grad: list[OpCost] = field(default_factory=list)
+
+    def ops(self, phase: str) -> list[OpCost]:
+        """This row's ops of one phase: its forward op, or the backward ops autograd ran for it."""
+        if phase == FORWARD:
+            return [self.forward]
+        return self.input_grad if phase == INPUT_GRAD else self.weight_grad
+
+    @property
+    def backward_ns(self) -> float:
+        return sum(op.estimated_ns for op in self.input_grad)
+
+    @property
+    def weight_grad_ns(self) -> float:
+        return sum(op.estimated_ns for op in self.weight_grad)
+
+    @property
+    def total_ns(self) -> float:
+        return self.forward.estimated_ns + self.backward_ns + self.weight_grad_ns
+
+
+@dataclass
+class GradRow:
+    """The asynchronous all-reduce of one module's parameter gradients."""
+    name: str
+    module: str
+    parameters: list[str]
+    elements: int
+    bytes: int
+
+
+@dataclass
+class Workload:
+    rows: list  # NodeRow and GradRow, in table order
+    parameter_count: int
+    gradient_bytes: int
+
+    @classmethod
+    def of_rows(cls, rows: list, grad_dtype: torch.dtype) -> Workload:
+        """The table of these rows; its parameters are those its gradient rows hold."""
+        elements = sum(r.elements for r in rows if isinstance(r, GradRow))
+        return cls(rows=rows, parameter_count=elements, gradient_bytes=elements * grad_dtype.itemsize)
+
+    @property
+    def node_rows(self) -> list[NodeRow]:
+        return [r for r in self.rows if isinstance(r, NodeRow)]
+
+    @property
+    def grad_rows(self) -> list[GradRow]:
+        return [r for r in self.rows if isinstance(r, GradRow)]
+
+    def ops(self, phase: str | None = None) -> list[OpCost]:
+        phases = PHASES if phase is None else (phase,)
+        return [op for r in self.node_rows for p in phases for op in r.ops(p)]
+
+    def execution_order(self) -> list[OpCost]:
+        """Ops as an eager step runs them: forward in row order, then backward from the last row
+        back (autograd's reverse order), each row's input-gradient ops before its weight-gradient ones."""
+        rows = self.node_rows
+        return [r.forward for r in rows] + [op for r in reversed(rows) for op in r.input_grad + r.weight_grad]
+
+    def totals(self) -> dict:
+        out = {}
+        for phase in (FORWARD, INPUT_GRAD, WEIGHT_GRAD):
+            ops = self.ops(phase)
+            out[f"{phase}_flops"] = sum(op.flops for op in ops)
+            out[f"{phase}_bytes"] = sum(op.bytes for op in ops)
+            out[f"{phase}_estimated_ns"] = sum(op.estimated_ns for op in ops)
+        ordered = self.execution_order()
+        out["kernel_sum_ns"] = sum(out[f"{p}_estimated_ns"] for p in (FORWARD, INPUT_GRAD, WEIGHT_GRAD))
+        out["dispatch_sum_ns"] = sum(op.dispatch_ns for op in ordered)
+        out["step_estimated_ns"] = two_stream_ns([(op.dispatch_ns, op.estimated_ns) for op in ordered])
+        out["parameters"] = self.parameter_count
+        out["gradient_bytes"] = self.gradient_bytes
+        return out
+
+
+def build(capture: Capture, model: torch.nn.Module, device: DeviceProfile | None, grad_dtype: torch.dtype) -> Workload:
+    """The table of one captured step; with no device, every estimated time is 0 (rows and sizes only)."""
+    costs = {node: cost_of(node, phase, device) for node, phase in capture.phase.items()}
+    forward_nodes = [n for n, phase in capture.phase.items() if phase == FORWARD]
+    main_ops = _main_ops(forward_nodes, capture.module, costs, model)
+    names = _row_names(forward_nodes, capture.module, main_ops)
+    rows = {n: NodeRow(name=names[n], module=capture.module[n], forward=costs[n]) for n in forward_nodes}
+    _dedupe_names(list(rows.values()))
+    for node, owner in capture.owner.items():
+        row = rows[owner]
+        (row.weight_grad if capture.phase[node] == WEIGHT_GRAD else row.input_grad).append(costs[node])
+
+    grad_rows = _grad_rows(model, capture, main_ops, rows, grad_dtype)
+    table = []
+    for node in forward_nodes:
+        table.extend(grad_rows.pop(node, []))
+        table.append(rows[node])
+    for leftover in grad_rows.values():  # parameters no forward op of their module reads
+        table.extend(leftover)
+    return Workload.of_rows(table, grad_dtype)
+
+
+def recost(workload: Workload, device: DeviceProfile) -> Workload:
+    """The same table with every op's time estimated on ``device``; shared ops are costed once."""
+    costed: dict[int, OpCost] = {}
+
+    def cost(op: OpCost) -> OpCost:
+        if id(op) not in costed:
+            costed[id(op)] = replace(op, estimated_ns=op_estimate_ns(op, device), dispatch_ns=op_dispatch_ns(op, device))
+        return costed[id(op)]
+
+    rows = [row if isinstance(row, GradRow) else NodeRow(
+        name=row.name, module=row.module, forward=cost(row.forward),
+        input_grad=[cost(op) for op in row.input_grad], weight_grad=[cost(op) for op in row.weight_grad])
+        for row in workload.rows]
+    return Workload(rows=rows, parameter_count=workload.parameter_count, gradient_bytes=workload.gradient_bytes)
+
+
+def op_estimate_ns(op: OpCost, device: DeviceProfile) -> float:
+    """Kernel time of one op: the GPU mechanics model where the profile has the GPU's facts,
+    else the roofline with the profile's rates (CPUs, calibrated tables)."""
+    dtype = next((getattr(torch, name) for name in op.input_dtypes + op.output_dtypes
+                  if getattr(torch, name).is_floating_point), None)
+    if device.sm_count:
+        return gpu_op_ns(op, device, DTYPE_NAMES.get(dtype, "fp32"))
+    return estimate_ns(op.flops, op.bytes, dtype, device, uses_matmul_units=op.kind in (flop_rules.MATMUL,
+                       flop_rules.ATTENTION), op_name=_base_name(op.op), gemm=op.gemm_mkn)
+
+
+def op_dispatch_ns(op: OpCost, device: DeviceProfile) -> float:
+    """Host time of an op that launches a kernel, on a GPU profile; views and CPU profiles: 0."""
+    if not device.sm_count or op.kind == flop_rules.VIEW or (op.flops == 0 and op.bytes == 0):
+        return 0.0
+    return device.gpu_model().host_dispatch_ns
+
+
+def _base_name(op: str) -> str:
+    """``addmm`` for aten.addmm.default, ``getitem`` for getitem."""
+    parts = op.split(".")
+    return parts[-2] if len(parts) >= 3 else op
+
+
+def cost_of(node: torch.fx.Node, phase: str, device: DeviceProfile | None) -> OpCost:
+    args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
+    out = node.meta.get("val")
+    alias = is_alias(node.target)
+    flops = 0 if alias else flop_rules.node_flops(node.target, args, kwargs, out)
+    nbytes = bytes_moved(node.target, args, kwargs, out)
+    kind = flop_rules.op_kind(node.target, alias)
+    inputs = [t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    outputs = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+    op = OpCost(
+        fx_name=node.name, op=_op_string(node.target), kind=kind, phase=phase,
+        input_shapes=[list(t.shape) for t in inputs], input_dtypes=[_dtype_name(t.dtype) for t in inputs],
+        output_shapes=[list(t.shape) for t in outputs], output_dtypes=[_dtype_name(t.dtype) for t in outputs],
+        flops=flops or 0, bytes=nbytes, estimated_ns=0.0, has_flop_rule=alias or flops is not None,
+        gemm_mkn=flop_rules.gemm_shape(node.target, args), gemm_leading=flop_rules.gemm_leading_dims(node.target, args),
+        gemm_batch=flop_rules.gemm_batch(node.target, args), attention=attention_facts(node.target, args, kwargs),
+        sdpa_backend=node.meta.get("custom", {}).get(BACKEND_KEY) or OP_BACKEND.get(flop_rules.op_name(node.target)))
+    if device is None:
+        return op
+    return replace(op, estimated_ns=op_estimate_ns(op, device), dispatch_ns=op_dispatch_ns(op, device))
+
+
+def _main_ops(forward_nodes, module_of, costs, model) -> dict[torch.fx.Node, str]:
+    """The costliest forward op of each leaf or parameter-owning module: it is named after the module."""
+    named = dict(model.named_modules())
+    best: dict[str, torch.fx.Node] = {}
+    for node in forward_nodes:
+        path = module_of[node]
+        module = named.get(path)
+        if not path or module is None:
+            continue
+        if next(module.children(), None) is not None and next(module.parameters(recurse=False), None) is None:
+            continue
+        key = (costs[node].flops, costs[node].bytes)
+        if path not in best or key > (costs[best[path]].flops, costs[best[path]].bytes):
+            best[path] = node
+    return {node: path for path, node in best.items() if costs[node].bytes > 0}
+
+
+def _row_names(forward_nodes, module_of, main_ops) -> dict[torch.fx.Node, str]:
+    """A module's main op is named after the module; its other ops after the module and the op,
+    numbered within the module (``transformer_h_0_attn_view_2``), so names never depend on the
+    ops of other layers."""
+    seen: dict[str, int] = defaultdict(int)
+    names = {}
+    for node in forward_nodes:
+        if node in main_ops:
+            names[node] = main_ops[node].replace(".", "_")
+            continue
+        module = module_of[node]
+        base = (module.replace(".", "_") + "_" if module else "") + flop_rules.op_name(node.target)
+        names[node] = base if seen[base] == 0 else f"{base}_{seen[base]}"
+        seen[base] += 1
+    return names
+
+
+def _dedupe_names(rows: list[NodeRow]) -> None:
+    seen: set[str] = set()
+    for row in rows:
+        name, k = row.name, 1
+        while name in seen:
+            name, k = f"{row.name}_{k}", k + 1
+        row.name = name
+        seen.add(name)
+
+
+def _grad_rows(model, capture: Capture, main_ops, rows, grad_dtype) -> dict[torch.fx.Node, list[GradRow]]:
+    """One gradient row per module that owns trainable parameters, before the row of its main op.
+
+    named_parameters() lists a tied weight once, under its first owner (GPT-2: transformer.wte),
+    so every trainable parameter lands in exactly one row.
+    """
+    by_module: dict[str, list[tuple[str, torch.nn.Parameter]]] = {}
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            by_module.setdefault(name.rpartition(".")[0], []).append((name, param))
+    main_of = {path: node for node, path in main_ops.items()}
+    placed: dict[torch.fx.Node, list[GradRow]] = {}
+    for path, params in by_module.items():
+        anchor = main_of.get(path) or _first_reader(capture, [name for name, _ in params])
+        elements = sum(p.numel() for _, p in params)
+        base = rows[anchor].name if anchor is not None else path.replace(".", "_")
+        placed.setdefault(anchor, []).append(GradRow(
+            name=f"{base}_grad", module=path, parameters=[name for name, _ in params],
+            elements=elements, bytes=elements * grad_dtype.itemsize))
+    return placed
+
+
+def _first_reader(capture: Capture, parameter_names: list[str]):
+    """The first forward node that reads one of these parameters, for modules with no main op."""
+    readers = [user for name in parameter_names if name in capture.parameter_nodes
+               for user in capture.parameter_nodes[name].users if capture.phase.get(user) == FORWARD]
+    order = {n: i for i, n in enumerate(capture.phase)}
+    return min(readers, key=order.__getitem__, default=None)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _op_string(target) -> str:
+    return str(target) if isinstance(target, torch._ops.OpOverload) else getattr(target, "__name__", str(target))

@@ -1,0 +1,163 @@
+"""SimAI workload files and Chrome traces: written by the CLI, read back, checked against the rank's units."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+import pytest
+
+from fxworkload import read_simai
+from fxworkload.capture.trace import FORWARD, INPUT_GRAD, PHASES, WEIGHT_GRAD
+from fxworkload.formats.chrome_trace import comm_ns
+from fxworkload.cli import main
+from fxworkload.cost.devices import load
+from fxworkload.errors import UserError
+from fxworkload.extract import extract
+from fxworkload.parallel.layout import Parallel
+from fxworkload.formats.simai import COMM_TYPES, from_rank, text
+
+SEED = Path(__file__).resolve().parents[3] / "shared" / "seeds" / "004_ec526f178b8c47e2.txt"
+PARALLEL_ARGS = ["--tp", "2", "--pp", "2", "--dp", "4", "--ep", "2", "--sp", "--micro-batches", "3", "--zero", "1"]
+
+
+def _run(tmp_path, *args):
+    out = tmp_path / "out"
+    code = main(["extract", *args, "--out", str(out)])
+    return code, out
+
+
+def test_simai_file_round_trips_and_matches_the_rank(tiny_dirs, tmp_path, capsys):
+    code, out = _run(tmp_path, str(tiny_dirs["mixtral"]), "--batch", "2", "--seq", "16", "--format", "simai",
+                     "--stage", "1", *PARALLEL_ARGS)
+    assert code == 0 and sorted(p.name for p in out.iterdir()) == ["workload.simai.txt"]
+    document = read_simai(out / "workload.simai.txt")
+    lines = (out / "workload.simai.txt").read_text().splitlines()
+    assert lines[0] == ("HYBRID_TRANSFORMER_FWD_IN_BCKWD model_parallel_NPU_group: 2 ep: 2 pp: 2 vpp: 1 ga: 3 "
+                        f"all_gpus: 16 checkpoints: 0 checkpoint_initiates: 0 pp_comm: {2 * 16 * 64 * 4 // 2}")
+    assert int(lines[1]) == len(document.rows) == len(lines) - 2
+    assert all(len(line.split("\t")) == 12 and "." not in line for line in lines[2:])
+    for row in document.rows:
+        for kind in (row.forward_comm, row.input_grad_comm, row.weight_grad_comm):
+            assert kind.removesuffix("_DP_EP").removesuffix("_EP") in COMM_TYPES and "ASYNC" not in kind
+    result = extract(str(tiny_dirs["mixtral"]), batch=2, seq=16, parallel=Parallel(
+        tp=2, pp=2, dp=4, ep=2, sp=True, micro_batches=3, zero=1, stage=1))
+    assert document == from_rank(result.rank)
+    units = [u for u in result.rank.units if u.block != "dp"]
+    assert [r.name for r in document.rows if r.forward_ns] == [u.name for u in units if round(u.ns(FORWARD))]
+    assert sum(r.forward_ns for r in document.rows) == sum(round(u.ns(FORWARD)) for u in units)
+    sizes = sorted(r.forward_comm_bytes for r in document.rows if r.forward_comm == "ALLTOALL_EP")
+    assert sizes == [2 * 16 // 2 * 2 * 64 * 4] * 2  # one MoE layer on stage 1: dispatch and combine
+    assert {r.weight_grad_comm for r in document.rows} >= {"REDUCESCATTER", "ALLGATHER", "REDUCESCATTER_DP_EP"}
+
+
+def test_reads_the_seed_file():
+    """The example shipped beside the project: a 405B-class model, TP 8, PP 16, old header."""
+    document = read_simai(SEED)
+    assert document.policy == "HYBRID_TRANSFORMER_FWD_IN_BCKWD"
+    assert document.header["model_parallel_NPU_group"] == 8 and document.header["pp"] == 16
+    assert document.header["all_gpus"] == 1024 and "vpp" not in document.header
+    assert len(document.rows) == 557
+    assert document.rows[0].weight_grad_comm == "ALLGATHER" and document.rows[0].weight_grad_comm_bytes == 6401032192
+    raw = [line.split("\t") for line in SEED.read_text().splitlines()[2:]]
+    assert [r.name for r in document.rows] == [fields[0] for fields in raw]
+    assert [r.input_grad_ns for r in document.rows] == [int(fields[5]) for fields in raw]
+
+
+def test_read_simai_names_a_malformed_line(tmp_path):
+    path = tmp_path / "bad.txt"
+    path.write_text("HYBRID_TRANSFORMER_FWD_IN_BCKWD ep: 1\n1\nembedding\t-1\t1.5\tNONE\t0\t0\tNONE\t0\t0\tNONE\t0\t100\n")
+    with pytest.raises(UserError, match=r"bad.txt:3: '1.5' is not an integer"):
+        read_simai(path)
+    path.write_text("HYBRID_TRANSFORMER_FWD_IN_BCKWD ep: 1\n1\nembedding -1 1 NONE 0 0 NONE 0 0 BROADCAST 0 100\n")
+    with pytest.raises(UserError, match=r"bad.txt:3: unknown comm type 'BROADCAST'"):
+        read_simai(path)
+
+
+def test_read_simai_takes_any_whitespace_as_the_simulator_does(tmp_path):
+    path = tmp_path / "spaces.txt"
+    path.write_text("HYBRID_TRANSFORMER_FWD_IN_BCKWD ep: 1\n1\nembedding  -1 7   NONE 0 8 NONE 0 9 ALLREDUCE 10 100\n")
+    (row,) = read_simai(path).rows
+    assert (row.forward_ns, row.input_grad_ns, row.weight_grad_ns, row.weight_grad_comm_bytes) == (7, 8, 9, 10)
+
+
+def test_text_is_what_the_reader_reads(tiny_dirs, tmp_path):
+    result = extract(str(tiny_dirs["gpt2"]), batch=1, seq=16, parallel=Parallel(tp=2, dp=2, vocab_multiple=8))
+    document = from_rank(result.rank)
+    assert text(document).count("\n") == len(document.rows) + 2
+    (tmp_path / "w.txt").write_text(text(document))
+    assert read_simai(tmp_path / "w.txt") == document
+
+
+def test_chrome_trace_lays_out_every_unit_and_collective(tiny_dirs, tmp_path):
+    code, out = _run(tmp_path, str(tiny_dirs["llama"]), "--batch", "2", "--seq", "16", "--format", "chrome-trace",
+                     "--device", "h100-sxm", "--tp", "2", "--dp", "2", "--micro-batches", "2")
+    assert code == 0
+    trace = json.loads((out / "workload.trace.json").read_text())
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    result = extract(str(tiny_dirs["llama"]), batch=2, seq=16, device="h100-sxm",
+                     parallel=Parallel(tp=2, dp=2, micro_batches=2))
+    units = [u for u in result.rank.units if u.block != "dp"]
+    compute_us = sum(e["dur"] for e in spans if e["cat"] == "compute")
+    assert compute_us == pytest.approx(2 * sum(u.ns(p) for u in units for p in PHASES) / 1e3, abs=1e-3 * len(spans))
+    tp_spans = [e for e in spans if e["cat"] == "comm" and e["tid"] == 1]
+    assert len(tp_spans) == 2 * sum(len(u.comms[FORWARD]) + len(u.comms[INPUT_GRAD]) for u in units)
+    dp = [c for u in result.rank.units for c in u.comms[WEIGHT_GRAD]]
+    assert len([e for e in spans if e["tid"] == 2]) == len(dp)
+    device = load("h100-sxm")
+    assert comm_ns(dp[0], result.rank.parallel, device) == pytest.approx(
+        2 * (2 - 1) / 2 * dp[0].bytes / device.intra_node_bytes_per_s * 1e9)
+    ends = [e["ts"] + e["dur"] for e in spans]
+    assert trace["otherData"]["step_ns"] == pytest.approx(max(ends) * 1e3, abs=1)
+    timeline = sorted((e["ts"], e["ts"] + e["dur"]) for e in spans if e["tid"] in (0, 1))
+    assert all(a_end <= b_start + 1e-3 for (_, a_end), (b_start, _) in itertools.pairwise(timeline))
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--tp", "3"], "--tp 3 does not divide the model's 4 attention heads"),
+    (["--tp", "4"], "--tp 4 does not divide the model's 2 key/value heads"),
+    (["--ep", "2", "--dp", "2"], "--ep 2 needs a mixture-of-experts model"),
+    (["--pp", "3"], "--pp 3 does not divide the model's 2 layers"),
+    (["--pp", "2", "--pp-layers", "2,1"], "--pp-layers 2,1 must give 2 non-negative counts summing to the model's 2"),
+    (["--sp"], "--sp splits the sequence over the tensor-parallel group"),
+    (["--pp", "2", "--stage", "2"], "--stage 2 is not a pipeline stage"),
+    (["--zero", "4"], "--zero must be 0, 1, 2 or 3"),
+    (["--dp", "0"], "--dp must be a positive integer"),
+    (["--format", "simai,xml"], "unknown --format 'xml'"),
+    (["--pp-layers", "a"], "--pp-layers must be comma-separated integers"),
+    (["--format", "chrome-trace", "--device", "cpu"], "device 'cpu' has no interconnect figures"),
+])
+def test_bad_parallel_settings_are_one_line_and_write_nothing(tiny_dirs, tmp_path, capsys, args, message):
+    code, out = _run(tmp_path, str(tiny_dirs["llama"]), "--seq", "16", *args)
+    err = capsys.readouterr().err
+    # one line, after at most the note that this CPU was measured (the cpu profile's first use)
+    assert code == 2 and message in err.splitlines()[-1] and "Traceback" not in err
+    assert all(line.startswith("measuring this CPU") for line in err.splitlines()[:-1])
+    assert not out.exists() or not any(out.iterdir())
+
+
+def test_experts_must_divide_by_ep(tiny_dirs, tmp_path, capsys):
+    code, _ = _run(tmp_path, str(tiny_dirs["mixtral"]), "--seq", "16", "--ep", "8", "--dp", "8")
+    assert code == 2 and "--ep 8 does not divide the model's 4 experts" in capsys.readouterr().err
+
+
+def test_vocabulary_must_divide_by_tp(tiny_dirs, tmp_path, capsys):
+    code, _ = _run(tmp_path, str(tiny_dirs["gpt2"]), "--seq", "16", "--tp", "4", "--dp", "1")
+    assert code == 0  # 96 tokens split four ways
+    code, _ = _run(tmp_path, "gpt2", "--seq", "16", "--tp", "2")
+    assert code == 2 and "does not divide the model's 50257 vocabulary" in capsys.readouterr().err
+
+
+def test_a_model_without_a_tp_plan_has_one_unit_per_layer_and_refuses_tp(tmp_path, capsys):
+    from transformers import CONFIG_MAPPING
+
+    folder = tmp_path / "neo"
+    CONFIG_MAPPING["gpt_neo"](num_layers=2, hidden_size=64, num_heads=4, vocab_size=96, max_position_embeddings=64,
+                              attention_types=[[["global", "local"], 1]]).save_pretrained(folder)
+    code, out = _run(tmp_path, str(folder), "--seq", "16", "--format", "simai")
+    assert code == 0
+    assert [r.name for r in read_simai(out / "workload.simai.txt").rows] == ["embedding", "layer0", "layer1", "head"]
+    code, _ = _run(tmp_path, str(folder), "--seq", "16", "--tp", "2", "--format", "simai")
+    err = capsys.readouterr().err
+    assert code == 2 and "gpt_neo has no tensor-parallel plan" in err.splitlines()[-1] and "Traceback" not in err

@@ -1,0 +1,173 @@
+"""profile, compare and calibrate: measured runs checked against eager autograd and by hand."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from fxworkload.cost import devices
+from fxworkload.measure.compare import compare, kind_summary, overall
+from fxworkload.errors import UserError
+from fxworkload.extract import extract
+from fxworkload.formats.tables import json_text, measured_json_text, tsv_text
+from fxworkload.measure.profile import profile, verify
+
+from ..conftest import tiny_config
+from ..test_cli import fxworkload
+
+
+@pytest.fixture(scope="module")
+def measured_gpt2(tiny_dirs):
+    return profile(str(tiny_dirs["gpt2"]), batch=2, seq=16, on="cpu", repeat=2, warmup=1)
+
+
+@pytest.mark.parametrize("model_type", ["gpt2", "llama", "bert", "mixtral"])
+def test_node_by_node_step_equals_eager_autograd(tiny_dirs, model_type):
+    result = profile(str(tiny_dirs[model_type]), batch=1, seq=8, on="cpu", repeat=1, warmup=0)
+    check = result.verification
+    assert check["equal"] and check["graph_loss"] == pytest.approx(check["eager_loss"], rel=1e-5)
+    assert check["max_gradient_relative_difference"] <= 1e-4
+    kernel_ops = [op for op in result.workload.ops() if op.kind != "view"]
+    assert all(result.timings[op.fx_name].median_ns > 0 for op in kernel_ops)
+
+
+def test_verification_names_a_gradient_that_differs(tiny_dirs):
+    """Feed the graph one perturbed weight: the check must notice and name it."""
+    result = profile(str(tiny_dirs["gpt2"]), batch=1, seq=8, on="cpu", repeat=1, warmup=0)
+    from fxworkload.capture import models
+    from fxworkload.capture.trace import capture_training_step
+
+    spec = models.resolve(str(tiny_dirs["gpt2"]))
+    module = models.build_real_model(spec, torch.float32, torch.device("cpu"))
+    capture = capture_training_step(module, 1, 8)
+    names = [name for name, _ in module.named_parameters()]
+    values = [p.detach().clone() for p in module.parameters()]
+    target = names.index("transformer.h.1.mlp.c_fc.weight")
+    values[target] += 0.5
+    with pytest.raises(UserError, match="the node-by-node step does not reproduce eager"):
+        verify(module, capture.graph_module, values, torch.zeros(1, 8, dtype=torch.long), names, "fp32")
+    assert result.verification["equal"]
+
+
+def test_measured_table_lines_up_with_the_estimated_one(tiny_dirs, measured_gpt2):
+    estimated = extract(str(tiny_dirs["gpt2"]), batch=2, seq=16, trace_on="cpu")
+    e_lines = tsv_text(estimated.workload, "bytes").splitlines()
+    m_lines = tsv_text(measured_gpt2.workload, "bytes", measured_gpt2.op_ns).splitlines()
+    assert [line.split("\t")[0] for line in e_lines] == [line.split("\t")[0] for line in m_lines]
+    assert all(len(line.split("\t")) == 11 for line in m_lines)
+    # every row's measured times are the sums of its ops' medians, summed again to the phase totals
+    document = json.loads(measured_json_text(measured_gpt2))
+    for phase in ("forward", "input_grad", "weight_grad"):
+        ops = [op for row in document["rows"] if row["type"] == "node"
+               for op in ([row[phase]] if phase == "forward" else row[phase])]
+        assert sum(op["measured_ns"] for op in ops) == pytest.approx(document["totals"][f"{phase}_measured_ns"])
+        assert all(op["measured_min_ns"] <= op["measured_ns"] <= op["measured_max_ns"] for op in ops)
+
+
+def test_checkpoint_weights_are_the_ones_measured(tmp_path):
+    config = tiny_config("gpt2")
+    torch.manual_seed(123)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    result = profile(str(tmp_path), batch=1, seq=8, on="cpu", repeat=1, warmup=0)
+    assert result.settings["weights"] == "its checkpoint weights"
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path).train()
+    ids = torch.randint(0, config.vocab_size, (1, 8), generator=torch.Generator().manual_seed(0))
+    assert result.verification["eager_loss"] == pytest.approx(reference(ids, labels=ids).loss.item(), rel=1e-6)
+
+
+def _documents(tiny_dirs, measured, **extract_args):
+    estimated = extract(str(tiny_dirs["gpt2"]), **{"batch": 2, "seq": 16, "trace_on": "cpu", **extract_args})
+    return (json.loads(json_text(estimated.workload, estimated.settings, {})),
+            json.loads(measured_json_text(measured)))
+
+
+def test_compare_sums_and_errors_by_hand(tiny_dirs, measured_gpt2):
+    estimated, measured = _documents(tiny_dirs, measured_gpt2)
+    comparison = compare(estimated, measured)
+    for span in overall(comparison):
+        phases = {"forward": ["forward"], "backward": ["input_grad", "weight_grad"],
+                  "step": ["forward", "input_grad", "weight_grad"]}[span["span"]]
+        e = sum(estimated["totals"][f"{p}_estimated_ns"] for p in phases)
+        m = sum(measured["totals"][f"{p}_measured_ns"] for p in phases)
+        assert span["estimated_ns"] == pytest.approx(e) and span["measured_ns"] == pytest.approx(m)
+        assert span["error"] == pytest.approx((e - m) / m)
+    matmuls = [(e_op["estimated_ns"], m_op["measured_ns"])
+               for e_row, m_row in zip(estimated["rows"], measured["rows"]) if e_row["type"] == "node"
+               for e_op, m_op in zip([e_row["forward"], *e_row["input_grad"], *e_row["weight_grad"]],
+                                     [m_row["forward"], *m_row["input_grad"], *m_row["weight_grad"]])
+               if e_op["kind"] == "matmul"]
+    summary = {k["kind"]: k for k in kind_summary(comparison)}
+    assert summary["matmul"]["count"] == len(matmuls)
+    errors = sorted(abs(e - m) / m for e, m in matmuls)
+    middle = len(errors) // 2
+    median = errors[middle] if len(errors) % 2 else (errors[middle - 1] + errors[middle]) / 2
+    assert summary["matmul"]["median_abs_error"] == pytest.approx(median)
+
+
+def test_compare_rejects_another_model_or_other_settings(tiny_dirs, measured_gpt2):
+    estimated, measured = _documents(tiny_dirs, measured_gpt2, seq=8)
+    with pytest.raises(UserError, match=r"row 1 'transformer_view' does not match: its forward aten.view.default reads shapes "
+                                        r"\[\[2, 8\]\] estimated but \[\[2, 16\]\] measured"):
+        compare(estimated, measured)
+    other = extract(str(tiny_dirs["llama"]), batch=2, seq=16, trace_on="cpu")
+    with pytest.raises(UserError, match=r"row 1 does not match: estimated has 'model_embed_tokens', "
+                                        r"measured has 'transformer_view'"):
+        compare(json.loads(json_text(other.workload, other.settings, {})), measured)
+
+
+def test_profile_and_compare_commands(tiny_dirs, tmp_path):
+    out = tmp_path / "out"
+    assert fxworkload("extract", tiny_dirs["gpt2"], "--seq", 16, "--trace-on", "cpu", "--out", out).returncode == 0
+    run = fxworkload("profile", tiny_dirs["gpt2"], "--seq", 16, "--on", "cpu", "--repeat", 1, "--out", out)
+    assert run.returncode == 0, run.stderr
+    assert "eager step" in run.stdout
+    run = fxworkload("compare", out / "workload.tsv", out, "--plot", tmp_path / "plot.png")
+    assert run.returncode == 0, run.stderr
+    assert "median_abs_error" in run.stdout and "time-weighted error" in run.stdout
+    assert (tmp_path / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bad_profile_and_compare_input_is_one_line(tiny_dirs, tmp_path):
+    config = tiny_config("gpt2")
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "ckpt")
+    saved = json.loads((tmp_path / "ckpt" / "config.json").read_text())
+    (tmp_path / "ckpt" / "config.json").write_text(json.dumps({**saved, "n_positions": 32}))
+    (tmp_path / "junk.json").write_text("{not json")
+    cases = [
+        (("profile", tmp_path / "ckpt", "--seq", 8, "--on", "cpu", "--out", tmp_path / "o1"),
+         "tensor 'transformer.wpe.weight' has shape [64, 64] in the checkpoint but [32, 64] in its config"),
+        (("profile", tiny_dirs["gpt2"], "--repeat", 0, "--out", tmp_path / "o2"), "--repeat must be at least 1"),
+        (("profile", tiny_dirs["gpt2"], "--on", "tpu", "--out", tmp_path / "o3"), "unknown --on 'tpu'"),
+        (("compare", tmp_path / "missing", tmp_path / "junk.json"), "no such file"),
+        (("compare", tmp_path / "junk.json", tmp_path / "junk.json"), "cannot read it as JSON"),
+    ]
+    if not torch.cuda.is_available():
+        cases.append((("calibrate", "--on", "cuda", "--name", "x"), "torch sees no CUDA device"))
+    for args, message in cases:
+        run = fxworkload(*args)
+        assert run.returncode == 2, (args, run.stderr)
+        assert message in run.stderr, (args, run.stderr)
+        assert len(run.stderr.strip().splitlines()) == 1 and "Traceback" not in run.stderr
+    assert not any((tmp_path / name).exists() for name in ("o1", "o2", "o3"))
+
+
+def test_calibrated_profile_is_where_the_cost_model_reads_it(monkeypatch, tiny_dirs):
+    """A (shortened) calibration saved as 'cpu' is the profile extract --device cpu costs with."""
+    from fxworkload.measure import calibrate
+    from fxworkload.cost.roofline import estimate_ns
+
+    monkeypatch.setattr(calibrate, "GEMM_DIMS", (64, 256))
+    monkeypatch.setattr(calibrate, "VECTOR_ELEMENTS", 1 << 14)
+    measured = calibrate.measure("cpu", "cpu")
+    devices.save(measured, devices.measured_path("cpu"))
+    assert devices.load("cpu") == measured
+    assert len(measured.matmul_flops_per_s_by_shape["fp32"]) == 8 and measured.kernel_launch_ns > 0
+    result = extract(str(tiny_dirs["gpt2"]), seq=16, device="cpu")
+    head = next(r for r in result.workload.node_rows if r.name == "lm_head")
+    m, k, n = 16, 64, 96  # tokens x hidden x vocab of the tiny GPT-2
+    assert head.forward.estimated_ns == pytest.approx(estimate_ns(
+        head.forward.flops, head.forward.bytes, torch.float32, measured, uses_matmul_units=True, gemm=(m, k, n)))
+    assert head.forward.flops == 2 * m * k * n
