@@ -130,12 +130,19 @@ def _formats(text: str) -> list[str]:
 
 
 def _quiet_transformers() -> None:
-    """Commands that build models: transformers' warnings and progress bars are not ours to print."""
-    from transformers.utils import logging as transformers_logging
+    """Commands that build models: transformers' warnings and progress bars are not ours to print.
+    Set through the environment it reads when first imported, so that a run that never builds a
+    model (a cached extract) does not import it."""
+    import os
 
-    transformers_logging.set_verbosity_error()
-    transformers_logging.disable_progress_bar()
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     warnings.filterwarnings("ignore", module="transformers")
+    if "transformers" in sys.modules:  # already imported (in-process callers): set it directly
+        from transformers.utils import logging as transformers_logging
+
+        transformers_logging.set_verbosity_error()
+        transformers_logging.disable_progress_bar()
 
 
 def run_extract(args) -> int:
@@ -169,7 +176,7 @@ def run_extract(args) -> int:
     summary = summary_text(result.workload, result.settings, top=args.top)
     if parallel != Parallel() or formats != ["tables"]:
         summary += "\n" + rank_summary_text(result.rank)
-    return _publish(args, result.spec.name, summary, files)
+    return _publish(args, result.facts.name, summary, files)
 
 
 def run_profile(args) -> int:

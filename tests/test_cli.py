@@ -138,3 +138,15 @@ def test_bad_input_gives_one_line_exit_2_and_no_files(case, tmp_path, tiny_dirs)
     assert lines[0].startswith("fxworkload: error:") and expected in lines[0]
     assert "Traceback" not in run.stderr
     assert not out.exists() and not (tmp_path / "outputs").exists()
+
+
+def test_a_cached_extract_never_imports_transformers(tiny_dirs, tmp_path):
+    """The warm path reads config.json as JSON and the model's facts from the graph cache."""
+    code = ("import sys; from fxworkload.cli import main; "
+            f"rc = main(['extract', {str(tiny_dirs['llama'])!r}, '--seq', '8', '--out', {str(tmp_path / 'o')!r}]); "
+            "print(rc, 'transformers' in sys.modules)")
+    env = {**os.environ, "FXWORKLOAD_CACHE_DIR": str(tmp_path / "cache")}
+    first = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    again = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert first.stdout.split()[-2:] == ["0", "True"]  # captured: transformers built the model
+    assert again.stdout.split()[-2:] == ["0", "False"]

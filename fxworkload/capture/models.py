@@ -19,8 +19,8 @@ from transformers.models.auto.modeling_auto import (
     AutoModelForMaskedLM,
 )
 
-from ..dtypes import DTYPES
-from .builtin import BUILTIN_DIR, builtin_names
+from ..dtypes import DTYPES, check_settings  # noqa: F401  (re-exported)
+from .builtin import BUILTIN_DIR, builtin_names, locate  # noqa: F401  (BUILTIN_DIR, builtin_names re-exported)
 from ..errors import UserError
 
 CAUSAL_LM = "causal-lm"
@@ -37,17 +37,8 @@ class ModelSpec:
 
 def resolve(model: str) -> ModelSpec:
     """Turn a model argument into a ModelSpec, or raise UserError saying why not."""
-    path = Path(model)
-    if (BUILTIN_DIR / model / "config.json").is_file() and not path.exists():
-        return _spec(model, BUILTIN_DIR / model / "config.json")
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise UserError(f"{model}: folder has no config.json; point at a HuggingFace checkpoint folder")
-        return _spec(path.resolve().name, path / "config.json", folder=path)
-    if path.is_file():
-        return _spec(path.resolve().parent.name if path.name == "config.json" else path.stem, path)
-    raise UserError(f"unknown model '{model}': use a checkpoint folder, a config.json, or one of: "
-                    + ", ".join(builtin_names()))
+    name, config_path, folder = locate(model)
+    return _spec(name, config_path, folder=folder)
 
 
 def _spec(name: str, config_path: Path, folder: Path | None = None) -> ModelSpec:
@@ -158,15 +149,6 @@ def max_positions(config: PretrainedConfig) -> int | None:
 def trainable_parameter_count(model: torch.nn.Module) -> int:
     """Trainable parameters, tied weights counted once (named_parameters de-duplicates them)."""
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
-
-
-def check_settings(batch: int, seq: int | None, dtype: str, grad_dtype: str | None = None) -> None:
-    for name, value in (("batch", batch), ("seq", seq)):
-        if value is not None and value <= 0:
-            raise UserError(f"--{name} must be a positive integer, got {value}")
-    for name, value in (("dtype", dtype), ("grad-dtype", grad_dtype)):
-        if value is not None and value not in DTYPES:
-            raise UserError(f"unknown --{name} '{value}': use one of {', '.join(DTYPES)}")
 
 
 def step_seq(spec: ModelSpec, seq: int | None) -> int:

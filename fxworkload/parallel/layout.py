@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from transformers import PretrainedConfig
-
 from ..errors import UserError
 
 
@@ -33,7 +31,7 @@ class Parallel:
         return out | {"world": self.world}
 
 
-def check(parallel: Parallel, config: PretrainedConfig) -> None:
+def check(parallel: Parallel, facts) -> None:
     """Reject, in one line, any setting this model cannot be split by."""
     p = parallel
     for name in ("dp", "tp", "pp", "ep", "micro_batches", "vocab_multiple"):
@@ -49,19 +47,17 @@ def check(parallel: Parallel, config: PretrainedConfig) -> None:
         raise UserError(f"--stage {p.stage} is not a pipeline stage: use 0..{p.pp - 1}")
     if p.dp % p.ep:
         raise UserError(f"--ep {p.ep} must divide --dp {p.dp}: expert-parallel ranks are drawn from the data-parallel ones")
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    experts = _experts(config)
-    for count, what in ((heads, "attention heads"), (kv_heads, "key/value heads"), (config.vocab_size, "vocabulary")):
-        if count % p.tp:
+    experts = facts.experts
+    for count, what in ((facts.heads, "attention heads"), (facts.kv_heads, "key/value heads"), (facts.vocab, "vocabulary")):
+        if count and count % p.tp:  # a count of 0: the model has none (no attention heads), nothing to split
             hint = " or pad it with --vocab-multiple 128 as Megatron-LM does" if what == "vocabulary" else ""
             raise UserError(f"--tp {p.tp} does not divide the model's {count} {what}; "
                             f"choose a --tp that divides it{hint}")
     if p.ep > 1 and not experts:
-        raise UserError(f"--ep {p.ep} needs a mixture-of-experts model; {config.model_type} has no experts")
+        raise UserError(f"--ep {p.ep} needs a mixture-of-experts model; {facts.model_type} has no experts")
     if experts and experts % p.ep:
         raise UserError(f"--ep {p.ep} does not divide the model's {experts} experts; choose an --ep that divides it")
-    stage_layers(p, config.num_hidden_layers)
+    stage_layers(p, facts.layers)
 
 
 def padded_vocab(parallel: Parallel, vocab: int) -> int:
@@ -87,10 +83,3 @@ def stage_layers(parallel: Parallel, layers: int) -> list[range]:
         counts = [layers // p.pp] * p.pp
     starts = [sum(counts[:i]) for i in range(p.pp)]
     return [range(start, start + count) for start, count in zip(starts, counts)]
-
-
-def _experts(config: PretrainedConfig) -> int:
-    for name in ("num_local_experts", "num_experts", "n_routed_experts"):
-        if isinstance(getattr(config, name, None), int):
-            return getattr(config, name)
-    return 0

@@ -22,7 +22,6 @@ from collections.abc import Callable
 
 import torch
 
-from ..capture import models
 from ..capture.attention import GpuTarget
 from ..capture.trace import capture_training_step
 from .table import GradRow, NodeRow, Workload, build
@@ -31,7 +30,7 @@ SHORT_LAYERS = (4, 5)
 _SKIPPED_ATTRIBUTES = re.compile(r"layer_idx|layer_id|layer_number|layer_index|training")
 
 
-def fast_workload(spec: models.ModelSpec, model: torch.nn.Module, batch: int, seq: int, dtype: torch.dtype,
+def fast_workload(spec, model: torch.nn.Module, batch: int, seq: int, dtype: torch.dtype,
                   grad_dtype: torch.dtype, gpu: GpuTarget | None = None,
                   prepare: Callable[[torch.nn.Module], torch.nn.Module] = lambda m: m) -> Workload | None:
     """The device-free table of the full model from 4- and 5-layer captures, or None if layers differ.
@@ -50,6 +49,8 @@ def fast_workload(spec: models.ModelSpec, model: torch.nn.Module, batch: int, se
 
 
 def _short_table(spec, layers, stack, batch, seq, dtype, grad_dtype, gpu, prepare):
+    from ..capture import models  # transformers: only when capturing
+
     short_spec = models.ModelSpec(name=spec.name, config=_short_config(spec.config, layers), task=spec.task,
                                   folder=spec.folder)
     short_model = prepare(models.build_meta_model(short_spec, dtype))

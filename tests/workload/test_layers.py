@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import CONFIG_MAPPING
 
-from fxworkload import extract as extract_module
+from fxworkload.capture import trace
 from fxworkload.workload import layers
 from fxworkload.capture import models
 from fxworkload.extract import extract
@@ -37,7 +37,7 @@ def deep_dirs(tmp_path_factory):
 def test_fast_path_table_is_byte_identical_to_the_full_trace(deep_dirs, model_type, monkeypatch):
     used = []
     original = layers.fast_workload
-    monkeypatch.setattr(extract_module, "fast_workload", lambda *a, **k: used.append(1) or original(*a, **k))
+    monkeypatch.setattr(layers, "fast_workload", lambda *a, **k: used.append(1) or original(*a, **k))
     fast = extract(str(deep_dirs[model_type]), batch=2, seq=16, use_cache=False)
     full = extract(str(deep_dirs[model_type]), batch=2, seq=16, use_cache=False, every_layer=True)
     assert used and len(fast.workload.node_rows) > 0
@@ -67,8 +67,8 @@ def test_cached_step_is_recosted_without_capturing(deep_dirs, monkeypatch):
 
     def no_capture(*args, **kwargs):
         raise AssertionError("captured again although the step is cached")
-    monkeypatch.setattr(extract_module, "capture_training_step", no_capture)
-    monkeypatch.setattr(extract_module, "fast_workload", no_capture)
+    monkeypatch.setattr(trace, "capture_training_step", no_capture)
+    monkeypatch.setattr(layers, "fast_workload", no_capture)
     again = extract(str(deep_dirs["llama"]), seq=16, device="h100-sxm")
     monkeypatch.undo()
     fresh = extract(str(deep_dirs["llama"]), seq=16, device="h100-sxm", use_cache=False)
@@ -85,6 +85,8 @@ def test_no_cache_neither_reads_nor_writes(tmp_path, monkeypatch):
     assert not (tmp_path / "cache" / "graphs").exists()
     extract(str(tmp_path / "m"), seq=8)
     assert len(list((tmp_path / "cache" / "graphs").glob("*.pkl"))) == 1
-    key_a = graph_cache.key(config, "causal-lm", 1, 8, "fp32", "fp32", "cpu")
-    assert key_a != graph_cache.key(config, "causal-lm", 1, 16, "fp32", "fp32", "cpu")
-    assert key_a != graph_cache.key(config, "causal-lm", 1, 8, "bf16", "bf16", "cpu")
+    config = config.to_dict()
+    key_a = graph_cache.key(config, 1, 8, "fp32", "fp32", "cpu")
+    assert key_a != graph_cache.key(config, 1, 16, "fp32", "fp32", "cpu")
+    assert key_a != graph_cache.key(config, 1, 8, "bf16", "bf16", "cpu")
+    assert key_a != graph_cache.key(config, 1, 8, "fp32", "fp32", "cpu", every_layer=True)
