@@ -14,8 +14,12 @@ H100 and are shipped with their source, or fitted by ``fxworkload calibrate --on
 - Attention (``attention_ns``): FLOPs at a per-kernel efficiency of the tensor peak (cuDNN, flash,
   memory-efficient; forward and backward apart), counting only the score tiles a causal kernel visits
   (an explicit mask visits them all) and the head dimension padded to the kernel's 64-wide tiles,
-  in waves of one 128-query block per CTA over the SMs; dropout's random numbers cost a fitted
-  fraction more (forward and backward apart); an additive mask is read once per head.
+  in waves of one 128-query block per CTA over the SMs, plus the softmax per score element (the
+  special-function units, a cost in S² that does not shrink with the head dim); head dims above 128
+  cost a fitted fraction more (smaller tiles); dropout's random numbers cost a fitted
+  fraction more (per backend, forward and backward apart); the op's tensors are read and written a fitted number
+  of times outside the main loop (the backward's dot(dO, O) and dQ conversion passes); an additive
+  mask is read once per (batch, head).
 - Memory-bound ops (``memory_ns``): a fixed per-kernel cost plus bytes at the fitted fraction of the
   bandwidth.
 - Host (``dispatch_ns``): each eager op costs the CPU a fitted dispatch time; a step whose kernels are
@@ -54,8 +58,23 @@ class GpuModel:
     flash_backward_efficiency: float = 0.30
     efficient_forward_efficiency: float = 0.25
     efficient_backward_efficiency: float = 0.18
-    attention_forward_dropout_cost: float = 0.5  # extra time, as a fraction, of a forward kernel with dropout
-    attention_backward_dropout_cost: float = 0.2
+    # Extra time, as a fraction, of a kernel with dropout (its random numbers), per backend and direction.
+    cudnn_forward_dropout_cost: float = 1.0
+    cudnn_backward_dropout_cost: float = 0.2
+    flash_forward_dropout_cost: float = 1.0
+    flash_backward_dropout_cost: float = 0.2
+    efficient_forward_dropout_cost: float = 0.5
+    efficient_backward_dropout_cost: float = 0.2
+    # Softmax per score element (exp, max, sum: the special-function units, ~3.9 T/s on an H100 per the
+    # FlashAttention-3 paper, against 989 T/s of matmul): a cost in S² independent of the head dim.
+    attention_forward_score_ps: float = 0.3  # picoseconds per score element, whole GPU
+    attention_backward_score_ps: float = 0.6
+    attention_large_head_forward_cost: float = 0.2  # head dim > 128: smaller tiles; extra fraction of time
+    attention_large_head_backward_cost: float = 0.5
+    # Passes over the op's tensors (q, k, v, o, dO, the gradients) outside the main loop: the backward's
+    # dot(dO, O) preprocess, the fp32 dQ conversion and the GQA head reduction (kernels seen in the data).
+    attention_forward_memory_passes: float = 1.0
+    attention_backward_memory_passes: float = 2.0
 
     @classmethod
     def of(cls, values: dict) -> GpuModel:
@@ -117,7 +136,7 @@ def causal_fraction(q_len: int, kv_len: int) -> float:
 
 def attention_ns(flops: int, backend: str, backward: bool, dtype: str, *, batch: int, heads: int, q_len: int,
                  kv_len: int, head_dim: int, is_causal: bool, has_mask: bool, dropout: float,
-                 facts: GpuFacts, model: GpuModel) -> float:
+                 facts: GpuFacts, model: GpuModel, nbytes: int = 0) -> float:
     work = flops * math.ceil(head_dim / HEAD_DIM_TILE) * HEAD_DIM_TILE / head_dim
     if is_causal and not has_mask:
         work *= causal_fraction(q_len, kv_len)
@@ -126,10 +145,16 @@ def attention_ns(flops: int, backend: str, backward: bool, dtype: str, *, batch:
     quantization = math.ceil(ctas / facts.sm_count) / (ctas / facts.sm_count)  # a last partial wave costs a whole one
     efficiency = getattr(model, f"{backend}_{direction}_efficiency")
     seconds = quantization * work / (facts.tensor_flops_per_s[_dtype_name(dtype)] * efficiency)
+    scores = batch * heads * q_len * kv_len * (causal_fraction(q_len, kv_len) if is_causal and not has_mask else 1)
+    seconds += quantization * scores * getattr(model, f"attention_{direction}_score_ps") * 1e-12
+    if head_dim > 128:
+        seconds *= 1 + getattr(model, f"attention_large_head_{direction}_cost")
     if dropout > 0:
-        seconds *= 1 + getattr(model, f"attention_{direction}_dropout_cost")
+        seconds *= 1 + getattr(model, f"{backend}_{direction}_dropout_cost")
+    bandwidth = facts.memory_bytes_per_s * model.memory_efficiency
+    seconds += getattr(model, f"attention_{direction}_memory_passes") * nbytes / bandwidth
     if has_mask:  # the additive bias, read per (batch, head)
-        seconds += batch * heads * q_len * kv_len * ITEMSIZE[dtype] / (facts.memory_bytes_per_s * model.memory_efficiency)
+        seconds += batch * heads * q_len * kv_len * ITEMSIZE[dtype] / bandwidth
     return model.attention_kernel_ns + 1e9 * seconds
 
 

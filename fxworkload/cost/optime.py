@@ -45,7 +45,7 @@ def gpu_op_ns(op, device, dtype: str) -> float:
         a = op.attention
         return attention_ns(op.flops, a["backend"], a["backward"], dtype, batch=a["batch"], heads=a["heads"],
                             q_len=a["q_len"], kv_len=a["kv_len"], head_dim=a["head_dim"], is_causal=a["is_causal"],
-                            has_mask=a["has_mask"], dropout=a["dropout"], facts=facts, model=model)
+                            has_mask=a["has_mask"], dropout=a["dropout"], facts=facts, model=model, nbytes=op.bytes)
     if op.gemm_mkn is not None and op.gemm_leading is not None:
         m, k, n = op.gemm_mkn
         return gemm_ns(m, k, n, op.gemm_batch, dtype, op.gemm_leading, facts, model)
