@@ -251,15 +251,15 @@ CONFIG_KEYS = {"layers": ("num_hidden_layers", "n_layer"), "hidden": ("hidden_si
 def run_models(args) -> int:
     from tabulate import tabulate
 
-    from .capture.builtin import BUILTIN_DIR
+    from .capture.builtin import BUILTIN_DIR, builtin_names
 
     headers = ["name", "model_type", "task", "layers", "hidden", "heads"]
     rows = []
-    for path in sorted(BUILTIN_DIR.glob("*/config.json")):
-        config = json.loads(path.read_text())
+    for name in builtin_names():
+        config = json.loads((BUILTIN_DIR / name / "config.json").read_text())
         architectures = config.get("architectures") or [""]
         task = "masked-lm" if str(architectures[0]).endswith("ForMaskedLM") else "causal-lm"
-        rows.append([path.parent.name, config.get("model_type"), task,
+        rows.append([name, config.get("model_type"), task,
                      *(next((config[k] for k in keys if k in config), "-") for keys in CONFIG_KEYS.values())])
     if args.parameters:
         headers.append("parameters")

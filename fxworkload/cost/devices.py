@@ -1,6 +1,6 @@
 """Device profiles: frozen data, one JSON file per device, a source per figure.
 
-Shipped profiles (datasheet peaks) live in ``fxworkload/device_profiles/``. Measured ones, written
+Shipped profiles (datasheet peaks) live in ``fxworkload/cost/device_profiles/``. Measured ones, written
 by ``fxworkload calibrate``, live in the cache folder: ``cpu`` (this machine) and any GPU
 profile a user calibrated under a name of their own.
 """

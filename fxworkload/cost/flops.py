@@ -163,18 +163,22 @@ def op_kind(target, is_alias: bool) -> str:
     return rule.kind if rule else OTHER
 
 
-def gemm_shape(target, args) -> tuple[int, int, int] | None:
-    """(m, k, n) of a plain or batched GEMM (per matrix of the batch); None for other ops."""
-    operands = {"mm": (0, 1), "bmm": (0, 1), "addmm": (1, 2), "baddbmm": (1, 2)}.get(op_name(target))
-    if operands is None:
-        return None
-    a, b = args[operands[0]], args[operands[1]]
-    return int(a.shape[-2]), int(a.shape[-1]), int(b.shape[-1])
+# op name -> positions of a GEMM's A and B operands
+GEMM_OPERANDS = {"mm": (0, 1), "bmm": (0, 1), "addmm": (1, 2), "baddbmm": (1, 2)}
 
 
 def _gemm_operands(target, args):
-    operands = {"mm": (0, 1), "bmm": (0, 1), "addmm": (1, 2), "baddbmm": (1, 2)}.get(op_name(target))
+    operands = GEMM_OPERANDS.get(op_name(target))
     return None if operands is None else (args[operands[0]], args[operands[1]])
+
+
+def gemm_shape(target, args) -> tuple[int, int, int] | None:
+    """(m, k, n) of a plain or batched GEMM (per matrix of the batch); None for other ops."""
+    operands = _gemm_operands(target, args)
+    if operands is None:
+        return None
+    a, b = operands
+    return int(a.shape[-2]), int(a.shape[-1]), int(b.shape[-1])
 
 
 def _leading(matrix) -> int:

@@ -93,7 +93,7 @@ class GpuFacts:
     memory_bytes_per_s: float
 
 
-ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2, "float32": 4, "bfloat16": 2, "float16": 2}
+ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2}  # dtypes by fxworkload's names (dtypes.DTYPES)
 
 
 def alignment_bytes(leading_dims: tuple[int, ...], itemsize: int) -> int:
@@ -110,7 +110,7 @@ def gemm_ns(m: int, k: int, n: int, batch: int, dtype: str, leading_dims: tuple[
         align = alignment_bytes(leading_dims, itemsize)
         efficiency = (model.gemm_tensor_efficiency if align >= 16 else model.gemm_sm80_efficiency if align >= 4
                       else model.gemm_align1_efficiency)
-    per_sm = facts.tensor_flops_per_s[_dtype_name(dtype)] * efficiency / facts.sm_count
+    per_sm = facts.tensor_flops_per_s[dtype] * efficiency / facts.sm_count
     bandwidth = facts.memory_bytes_per_s * model.memory_efficiency
     compute_s = math.inf
     for tm, tn in GEMM_TILES:
@@ -144,7 +144,7 @@ def attention_ns(flops: int, backend: str, backward: bool, dtype: str, *, batch:
     ctas = batch * heads * math.ceil(q_len / ATTENTION_TILE)  # one query block per CTA
     quantization = math.ceil(ctas / facts.sm_count) / (ctas / facts.sm_count)  # a last partial wave costs a whole one
     efficiency = getattr(model, f"{backend}_{direction}_efficiency")
-    seconds = quantization * work / (facts.tensor_flops_per_s[_dtype_name(dtype)] * efficiency)
+    seconds = quantization * work / (facts.tensor_flops_per_s[dtype] * efficiency)
     scores = batch * heads * q_len * kv_len * (causal_fraction(q_len, kv_len) if is_causal and not has_mask else 1)
     seconds += quantization * scores * getattr(model, f"attention_{direction}_score_ps") * 1e-12
     if head_dim > 128:
@@ -171,7 +171,3 @@ def two_stream_ns(ops: list[tuple[float, float]]) -> float:
         if kernel > 0:
             gpu = max(gpu, host) + kernel
     return max(host, gpu)
-
-
-def _dtype_name(dtype: str) -> str:
-    return {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(dtype, dtype)

@@ -23,9 +23,9 @@ import transformers
 from .. import __version__
 
 from ..capture import models
-from ..capture.models import check_settings, step_seq
+from ..capture.models import step_seq
 from ..capture.trace import capture_training_step
-from ..dtypes import DTYPES
+from ..dtypes import DTYPES, check_settings
 from ..errors import UserError
 from ..cost.flops import register_transformers_ops
 from .timing import Clock, describe, device_for
