@@ -104,3 +104,12 @@ def test_loading_a_device_profile_never_measures():
     """cost.devices reads profiles; only the measure package may run micro-benchmarks."""
     imports = _imports(PACKAGE / "cost" / "devices.py")
     assert not any(_part(name) == "measure" for name in imports)
+
+
+def test_tests_read_nothing_beside_the_checkout():
+    """A user's clone has no ../shared: every file a test reads lives in the repository (tests/fixtures)."""
+    root = PACKAGE.parent
+    marks = ("parents[3]", '"shared"', "../shared")
+    outside = [str(path.relative_to(root)) for path in (root / "tests").rglob("*.py")
+               if path != Path(__file__).resolve() and any(mark in path.read_text() for mark in marks)]
+    assert outside == []

@@ -18,7 +18,7 @@ from fxworkload.extract import extract
 from fxworkload.parallel.layout import Parallel
 from fxworkload.formats.simai import COMM_TYPES, from_rank, text
 
-SEED = Path(__file__).resolve().parents[3] / "shared" / "seeds" / "004_ec526f178b8c47e2.txt"
+SEED = Path(__file__).resolve().parents[1] / "fixtures" / "simai_405b_tp8_pp16.txt"
 PARALLEL_ARGS = ["--tp", "2", "--pp", "2", "--dp", "4", "--ep", "2", "--sp", "--micro-batches", "3", "--zero", "1"]
 
 
@@ -52,8 +52,8 @@ def test_simai_file_round_trips_and_matches_the_rank(tiny_dirs, tmp_path, capsys
     assert {r.weight_grad_comm for r in document.rows} >= {"REDUCESCATTER", "ALLGATHER", "REDUCESCATTER_DP_EP"}
 
 
-def test_reads_the_seed_file():
-    """The example shipped beside the project: a 405B-class model, TP 8, PP 16, old header."""
+def test_reads_a_simai_file_of_another_generator():
+    """A SimAI workload file of another generator: a 405B-class model, TP 8, PP 16, old header."""
     document = read_simai(SEED)
     assert document.policy == "HYBRID_TRANSFORMER_FWD_IN_BCKWD"
     assert document.header["model_parallel_NPU_group"] == 8 and document.header["pp"] == 16

@@ -1,4 +1,4 @@
-"""Collective sizes against the ones a real Megatron-LM run logged (../shared/seeds/000 and 001:
+"""Collective sizes against the ones a real Megatron-LM run logged (tests/fixtures/megatron_*.txt:
 per-rank traces of pipeline stage 0, with each communication call's input shape)."""
 
 from __future__ import annotations
@@ -13,14 +13,14 @@ from fxworkload.extract import extract
 from fxworkload.capture.models import BUILTIN_DIR
 from fxworkload.parallel.layout import Parallel
 
-SEEDS = Path(__file__).resolve().parents[3] / "shared" / "seeds"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 BF16_BYTES = 2
 
 
 def _trace(name: str) -> list[dict]:
     """Each line's op, its input shape and its nested communication calls (comm_func, shape)."""
     ops = []
-    for line in (SEEDS / name).read_text().splitlines():
+    for line in (FIXTURES / name).read_text().splitlines():
         head = re.match(r"rank:\d+:(\w+)\(", line)
         subs = re.search(r"sub_operations=\[(.*)\]\)$", line).group(1)
         calls = [(re.search(r"comm_func=(\w+)", s).group(1), _shape(s)) for s in re.findall(r"'([^']*)'", subs)]
@@ -34,9 +34,9 @@ def _shape(text: str) -> list[int] | None:
 
 
 def test_moe_all_to_alls_and_pipeline_send_match_a_megatron_run(tmp_path):
-    """Seed 001: Mixtral-style, hidden 4096, seq 1024, 8 experts top-2, EP 2, PP 4, micro-batch 1, bf16.
+    """The MoE trace: Mixtral-style, hidden 4096, seq 1024, 8 experts top-2, EP 2, PP 4, micro-batch 1, bf16.
     Its stage 0 runs two MoE layers: per forward step two dispatch all-to-alls of [seq·top-k, hidden]."""
-    ops = _trace("001_cac42666c59f300b.txt")
+    ops = _trace("megatron_moe_ep2_pp4_rank0.txt")
     forward = next(o for o in ops if o["op"] == "forward_step")
     measured_a2a = [math.prod(shape) * BF16_BYTES for func, shape in forward["calls"] if func == "all_to_all"]
     send = next(o for o in ops if o["op"] == "send_forward")
@@ -57,9 +57,9 @@ def test_moe_all_to_alls_and_pipeline_send_match_a_megatron_run(tmp_path):
 
 
 def test_embedding_all_reduce_and_pipeline_send_match_a_megatron_run():
-    """Seed 000: a dense GPT with hidden 4096, seq 256, bf16, tensor-parallel (its embedding output is
+    """The dense trace: a dense GPT with hidden 4096, seq 256, bf16, tensor-parallel (its embedding output is
     all-reduced over tp) and pipelined."""
-    ops = _trace("000_7317196d336d35b9.txt")
+    ops = _trace("megatron_dense_tp_rank0.txt")
     forward = next(o for o in ops if o["op"] == "forward_step")
     (reduce_shape,) = [shape for func, shape in forward["calls"] if func == "allreduce"]
     send = next(o for o in ops if o["op"] == "send_forward")
