@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from fxworkload.cost import devices  # noqa: E402
 from fxworkload.measure.calibrate import measure, say  # noqa: E402
 from fxworkload.measure.compare import compare, kind_summary, overall, time_weighted_error  # noqa: E402
-from fxworkload.extract import extract  # noqa: E402
+from fxworkload.pipeline import extract  # noqa: E402
 from fxworkload.formats.tables import json_text, measured_json_text  # noqa: E402
 from fxworkload.measure.profile import profile  # noqa: E402
 
@@ -42,7 +42,7 @@ def main() -> int:
     parser.add_argument("--skip-calibrate", action="store_true", help="use the profile already saved")
     args = parser.parse_args()
 
-    measured_name = "cpu" if args.on == "cpu" else "cuda-measured"
+    measured_name = f"bench-{args.on}"  # its own profile: the user's 'cpu' calibration is left as it is
     if not args.skip_calibrate:
         start = time.perf_counter()
         devices.save(measure(args.on, measured_name, progress=say), devices.measured_path(measured_name))

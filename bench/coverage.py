@@ -34,12 +34,12 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 from transformers.utils import logging as transformers_logging  # noqa: E402
 
 from fxworkload.errors import UserError  # noqa: E402
-from fxworkload.extract import extract  # noqa: E402
+from fxworkload.pipeline import extract  # noqa: E402
 
 SHIPPED_OTHER_FAMILIES = {"bert": "BertForMaskedLM"}
 LAYER_CUTS = (2, 4, None)  # tried in turn; None keeps the default layer count
 LAYER_COUNTS = re.compile(r"^(num_hidden_layers|n_layer|n_layers|num_layers|decoder_layers|encoder_layers|"
-                          r"num_decoder_layers|num_encoder_layers)$")
+                          r"num_decoder_layers|num_encoder_layers|num_blocks)$")
 
 
 USUAL_VALUES = {"num_experts_per_tok": 2, "n_routed_experts": 8, "n_shared_experts": 1, "n_group": 1, "topk_group": 1}
@@ -117,7 +117,7 @@ def _check(model_type: str, folder: Path, timeout: int, layers: int | None) -> t
         return str(exc), 0, time.perf_counter() - start
     except Exception as exc:  # the bench reports, it does not stop
         text = " ".join(str(exc).split())[:200]
-        return f"making its default config: {type(exc).__name__}: {text}", 0, time.perf_counter() - start
+        return f"uncaught {type(exc).__name__}: {text}", 0, time.perf_counter() - start
     finally:
         signal.alarm(0)
 

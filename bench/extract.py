@@ -34,7 +34,7 @@ PARALLEL_CASES = [
 CHILD = """
 import json, resource, time, sys
 from dataclasses import asdict
-from fxworkload.extract import extract
+from fxworkload.pipeline import extract
 from fxworkload.formats.tables import tsv_text, json_text
 from fxworkload.parallel.layout import Parallel
 from fxworkload.formats import simai

@@ -25,7 +25,7 @@ from tabulate import tabulate
 from fxworkload.cost import devices
 from fxworkload.cost.devices import FIT_DIR
 from fxworkload.errors import UserError
-from fxworkload.extract import trace_target
+from fxworkload.pipeline import trace_target
 from fxworkload.measure import kernels
 
 

@@ -43,7 +43,11 @@ def build_parser() -> argparse.ArgumentParser:
                          help="what to write, comma-separated: tables (workload.tsv, workload.json), "
                               "simai (workload.simai.txt), chrome-trace (workload.trace.json); default tables")
     _add_parallel_arguments(extract)
-    extract.add_argument("--out", type=Path, default=None, help="output folder (default outputs/<model>/)")
+    extract.add_argument("--out", type=Path, default=None,
+                         help="output folder, replaced whole by this run (default outputs/<name>/)")
+    extract.add_argument("--name", default=None,
+                         help="the model's name in the outputs and the default folder (default: the built-in "
+                              "name, checkpoint folder or HuggingFace model name)")
     extract.add_argument("--top", type=int, default=10, help="costliest nodes listed in the summary (default 10)")
     extract.set_defaults(func=run_extract)
 
@@ -52,7 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     profile.add_argument("--on", default="auto", help="where to run: cpu, cuda, or auto = cuda if there is one")
     profile.add_argument("--repeat", type=int, default=5, help="timed runs; each op's median is kept (default 5)")
     profile.add_argument("--warmup", type=int, default=2, help="untimed runs first (default 2)")
-    profile.add_argument("--out", type=Path, default=None, help="output folder (default outputs/<model>/)")
+    profile.add_argument("--out", type=Path, default=None,
+                         help="output folder, replaced whole by this run (default outputs/<model>-measured/)")
     profile.set_defaults(func=run_profile)
 
     compare = commands.add_parser("compare", help="compare estimated and measured op times")
@@ -106,9 +111,6 @@ def _add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
                             "--make-vocab-size-divisible-by (default 1: no padding)")
 
 
-FORMATS = ("tables", "simai", "chrome-trace")
-
-
 def _parallel(args):
     from .parallel.layout import Parallel
 
@@ -122,11 +124,7 @@ def _parallel(args):
 
 
 def _formats(text: str) -> list[str]:
-    formats = [f.strip() for f in text.split(",") if f.strip()]
-    unknown = [f for f in formats if f not in FORMATS]
-    if unknown or not formats:
-        raise UserError(f"unknown --format '{','.join(unknown) or text}': use one or more of {', '.join(FORMATS)}")
-    return formats
+    return [f.strip() for f in text.split(",") if f.strip()]
 
 
 def _quiet_transformers() -> None:
@@ -146,37 +144,38 @@ def _quiet_transformers() -> None:
 
 
 def run_extract(args) -> int:
-    from dataclasses import asdict
-
-    from .extract import extract
-    from .formats.tables import json_text, rank_summary_text, summary_text, tsv_text
     from .parallel.layout import Parallel
+    from .pipeline import check_formats, check_name, extract
 
-    formats = _formats(args.format)
+    formats = check_formats(_formats(args.format))
+    _check_top(args.top)
     parallel = _parallel(args)
+    name = check_name(args.name) if args.name is not None else None
     _check_out(args)
     _quiet_transformers()
     if "chrome-trace" in formats:
-        from .extract import load_device
         from .formats.chrome_trace import check_device
-        check_device(load_device(args.device))
+        from .pipeline import load_device
+        check_device(load_device(args.device), parallel)
     result = extract(args.model, batch=args.batch, seq=args.seq, dtype=args.dtype, grad_dtype=args.grad_dtype,
                      device=args.device, size_unit=args.size_unit, trace_on=args.trace_on,
-                     use_cache=not args.no_cache, every_layer=args.every_layer, progress=True, parallel=parallel)
-    files = {}
-    if "tables" in formats:
-        files["workload.tsv"] = tsv_text(result.workload, args.size_unit)
-        files["workload.json"] = json_text(result.workload, result.settings, asdict(result.device))
-    if "simai" in formats:
-        from .formats import simai
-        files["workload.simai.txt"] = simai.text(simai.from_rank(result.rank))
-    if "chrome-trace" in formats:
-        from .formats.chrome_trace import trace_json
-        files["workload.trace.json"] = trace_json(result.rank, result.device)
-    summary = summary_text(result.workload, result.settings, top=args.top)
+                     use_cache=not args.no_cache, every_layer=args.every_layer, progress=True, parallel=parallel,
+                     name=name)
+    summary = summary_of(result, parallel, formats, args.top)
+    return _publish(args.out or Path("outputs") / result.name, summary, result.files(formats), result.settings)
+
+
+def summary_of(result, parallel, formats: list[str], top: int) -> str:
+    from .formats.tables import rank_summary_text, summary_text
+    from .parallel.layout import Parallel
+
+    summary = summary_text(result.workload, result.settings, top=top)
     if parallel != Parallel() or formats != ["tables"]:
         summary += "\n" + rank_summary_text(result.rank)
-    return _publish(args, result.facts.name, summary, files)
+    if "simai" in formats and parallel.dp == 1:
+        summary += ("\nnote: --dp 1: the SimAI file has no gradient all-reduce; pass --dp N for the data-parallel "
+                    "collectives of an N-replica run\n")
+    return summary
 
 
 def run_profile(args) -> int:
@@ -187,10 +186,10 @@ def run_profile(args) -> int:
     _quiet_transformers()
     result = profile(args.model, batch=args.batch, seq=args.seq, dtype=args.dtype, on=args.on,
                      repeat=args.repeat, warmup=args.warmup, progress=True)
-    return _publish(args, result.spec.name, measured_summary_text(result), {
+    return _publish(args.out or Path("outputs") / f"{result.spec.name}-measured", measured_summary_text(result), {
         "measured.tsv": tsv_text(result.workload, "bytes", result.op_ns),
         "measured.json": measured_json_text(result),
-    })
+    }, result.settings)
 
 
 def _check_out(args) -> None:
@@ -201,23 +200,33 @@ def _check_out(args) -> None:
         check_out_dir(args.out)
 
 
-def _publish(args, model_name: str, summary: str, files: dict[str, str]) -> int:
-    """Write the files (all or none) into --out or outputs/<model>/, then print the summary."""
-    from .formats.files import prepare_out_dir, write_files
+def _publish(out: Path, summary: str, files: dict[str, str], settings: dict) -> int:
+    """Replace the output folder with the files and their manifest (all or none), then print the summary."""
+    from .formats.files import publish
 
-    written = write_files(prepare_out_dir(args.out or Path("outputs") / model_name), files)
+    written = publish(out, files, settings)
     print(summary, end="")
     print("\nwrote " + ", ".join(str(p) for p in written))
     return 0
 
 
+def _check_top(top: int) -> None:
+    if top < 0:
+        raise UserError(f"--top must be 0 or more, got {top}")
+
+
 def run_compare(args) -> int:
-    from .formats.files import prepare_out_dir, write_files
+    from .formats.files import check_one_run, write_file
     from .measure.compare import compare, load_document, plot_png, report_text
 
-    comparison = compare(load_document(args.estimated, "workload.json"), load_document(args.measured, "measured.json"))
+    _check_top(args.top)
+    documents = []
+    for path, expected in ((args.estimated, "workload.json"), (args.measured, "measured.json")):
+        documents.append(load_document(path, expected))
+        check_one_run(Path(documents[-1]["path"]))
+    comparison = compare(*documents)
     if args.plot is not None:
-        write_files(prepare_out_dir(args.plot.parent), {args.plot.name: plot_png(comparison)})
+        write_file(args.plot, plot_png(comparison))
     print(report_text(comparison, top=args.top), end="")
     if args.plot is not None:
         print(f"\nwrote {args.plot}")
@@ -228,6 +237,10 @@ def run_calibrate(args) -> int:
     from .cost import devices
     from .measure.calibrate import measure, say
 
+    if args.on not in ("cpu", "cuda"):
+        raise UserError(f"unknown --on {args.on!r}: use cpu or cuda")
+    if args.name is not None:
+        devices.check_name(args.name, "--name")
     if args.on != "cpu" and not args.name:
         raise UserError("--on cuda needs --name NAME for the measured profile (e.g. --name my-h100)")
     name = args.name or "cpu"
@@ -286,26 +299,70 @@ def run_devices(args) -> int:
     rows = []
     for name in devices.names():
         if name == "cpu":
-            rows.append(["cpu", "this machine's CPU: 'fxworkload calibrate' measures it (extract --device cpu "
-                                "does on first use)", *["-"] * 8])
+            paths = devices.measured_cpu_paths()
+            if not paths:
+                rows.append(["cpu", "this machine's CPU, not measured yet: 'fxworkload calibrate' measures it "
+                                    "(extract --device cpu does on first use)", *["-"] * 8])
+            rows += [_device_row("cpu", lambda path=path: devices.read(path), f" [{path.stem}]") for path in paths]
             continue
-        d = devices.load(name)
-        rows.append([name, d.description, *(f"{d.matmul_flops_per_s[k] / 1e12:.1f}" for k in ("fp32", "bf16", "fp16")),
-                     f"{d.vector_flops_per_s / 1e12:.2f}", f"{d.memory_bytes_per_s / 1e9:.0f}",
-                     d.compute_efficiency, d.memory_efficiency, f"{d.kernel_launch_ns / 1e3:.2f}"])
+        rows.append(_device_row(name, lambda name=name: devices.load(name)))
     print(tabulate(rows, headers=["name", "description", "fp32_tflops", "bf16_tflops", "fp16_tflops",
                                   "vector_tflops", "memory_gb_per_s", "e_compute", "e_memory", "launch_us"]))
     print(f"\nSources of every figure: the JSON files in {devices.DATA_DIR}/ (measured ones in {devices.cache_dir()}/devices/)")
     return 0
 
 
+def _device_row(name: str, load, note: str = "") -> list:
+    try:
+        d = load()
+    except UserError as exc:  # one corrupt measured profile does not hide the others
+        return [name, f"unreadable: {exc}", *["-"] * 8]
+    return [name, d.description + note, *(f"{d.matmul_flops_per_s[k] / 1e12:.3g}" for k in ("fp32", "bf16", "fp16")),
+            f"{d.vector_flops_per_s / 1e12:.3g}", f"{d.memory_bytes_per_s / 1e9:.0f}",
+            d.compute_efficiency, d.memory_efficiency, f"{d.kernel_launch_ns / 1e3:.2f}"]
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
-        return args.func(args)
+        code = args.func(args)
+        sys.stdout.flush()  # a full disk or a closed pipe on stdout is reported here, not at exit
+        return code
     except UserError as exc:
-        print(f"fxworkload: error: {exc}", file=sys.stderr)
+        print(f"fxworkload: error: {_one_line(str(exc))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("fxworkload: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader went away (`| head`): stop quietly, as SIGPIPE would
+        _silence_stdout()
+        return 141
+    except OSError as exc:  # the disk or the system refused: a full disk, permissions, a name too long
+        _silence_stdout()
+        where = f": {exc.filename}" if exc.filename else ""
+        print(f"fxworkload: error: {exc.strerror or type(exc).__name__}{where}", file=sys.stderr)
+        return 1
+    except Exception as exc:  # a bug of ours: one line saying so; FXWORKLOAD_DEBUG=1 shows the traceback
+        import os
+
+        if os.environ.get("FXWORKLOAD_DEBUG"):
+            raise
+        print(f"fxworkload: internal error: {type(exc).__name__}: {_one_line(str(exc))[:300]} (a bug: please "
+              "report it with the command; FXWORKLOAD_DEBUG=1 prints the traceback)", file=sys.stderr)
+        return 70
+
+
+def _one_line(text: str) -> str:
+    """Messages echo user input: a newline in it must not split the error line."""
+    return " ".join(text.replace("\r", "\n").split("\n"))
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null so that the interpreter's final flush raises nothing more."""
+    import os
+
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass

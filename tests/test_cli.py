@@ -23,7 +23,7 @@ def fxworkload(*args, cwd=None):
 def test_extract_writes_both_tables_and_a_summary(tiny_dirs, tmp_path):
     run = fxworkload("extract", tiny_dirs["gpt2"], "--batch", 2, "--seq", 16, "--out", tmp_path / "out")
     assert run.returncode == 0, run.stderr
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["workload.json", "workload.tsv"]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["manifest.json", "workload.json", "workload.tsv"]
     header = (tmp_path / "out" / "workload.tsv").read_text().splitlines()[0].split("\t")
     assert header == ["name", "forward_compute_time", "forward_comm_type", "forward_comm_size",
                       "backward_compute_time", "backward_comm_type", "backward_comm_size",
@@ -41,7 +41,7 @@ def test_same_command_twice_writes_identical_files(tiny_dirs, tmp_path):
     for out, cache in (("a", []), ("b", ["--no-cache"])):
         run = fxworkload("extract", tiny_dirs["llama"], "--seq", 16, *layout, *cache, "--out", tmp_path / out)
         assert run.returncode == 0, run.stderr
-    for name in ("workload.tsv", "workload.json", "workload.simai.txt", "workload.trace.json"):
+    for name in ("workload.tsv", "workload.json", "workload.simai.txt", "workload.trace.json", "manifest.json"):
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
 
 
@@ -150,3 +150,114 @@ def test_a_cached_extract_never_imports_transformers(tiny_dirs, tmp_path):
     again = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert first.stdout.split()[-2:] == ["0", "True"]  # captured: transformers built the model
     assert again.stdout.split()[-2:] == ["0", "False"]
+
+
+def test_a_closed_pipe_and_a_full_disk_are_not_tracebacks():
+    """Issue 16.2: `fxworkload devices | head -n1` and `fxworkload models > /dev/full`."""
+    reader = subprocess.Popen([sys.executable, "-m", "fxworkload", "devices"], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE)
+    reader.stdout.close()  # before the command has started writing (its table fits in a pipe's buffer)
+    assert reader.wait() == 141 and b"Traceback" not in reader.stderr.read()
+    with open("/dev/full", "w") as full:
+        run = subprocess.run([sys.executable, "-m", "fxworkload", "models"], stdout=full, stderr=subprocess.PIPE,
+                             text=True)
+    assert run.returncode == 1 and run.stderr.strip() == "fxworkload: error: No space left on device"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["calibrate", "--on", "gpu"], "unknown --on 'gpu': use cpu or cuda"),
+    (["calibrate", "--name", "../x"], "--name '../x' is not a device profile name"),
+    (["extract", "gpt2", "--device", "/tmp/x"], "--device '/tmp/x' is not a device profile name"),
+    (["profile", "gpt2", "--on", "cuda"], "CPU-only build" if torch.version.cuda is None else "no CUDA device"),
+])
+def test_messages_name_the_option_typed(args, message, tmp_path):
+    run = fxworkload(*args, cwd=tmp_path)
+    assert run.returncode == 2 and run.stderr.count("\n") == 1 and message in run.stderr, run.stderr
+
+
+def _save_profile(name_or_path, **changes):
+    from dataclasses import replace
+
+    from fxworkload.cost import devices
+
+    profile = replace(devices.load("h100-sxm"), **changes)
+    path = name_or_path if not isinstance(name_or_path, str) else devices.measured_path(name_or_path)
+    return devices.save(profile, path)
+
+
+def test_devices_shows_a_measured_cpu_once_with_its_figures(tmp_path, monkeypatch):
+    """Issue 17.9: the cpu row was listed with dashes even after calibration."""
+    from fxworkload.cost import devices
+
+    monkeypatch.setenv("FXWORKLOAD_CACHE_DIR", str(tmp_path / "cache"))
+    _save_profile(devices.cache_dir() / "devices" / "cpu-torch9.9-threads3.json", name="cpu",
+                  description="a measured CPU", matmul_flops_per_s={"fp32": 1.5e11, "bf16": 2.5e10, "fp16": 1e9})
+    rows = [line.split() for line in fxworkload("devices").stdout.splitlines() if line.startswith("cpu ")]
+    assert len(rows) == 1 and rows[0][:7] == ["cpu", "a", "measured", "CPU", "[cpu-torch9.9-threads3]", "0.15",
+                                              "0.025"]
+
+
+def test_calibration_rates_keep_their_digits():
+    from fxworkload.measure.calibrate import rate_text
+
+    assert (rate_text(2.5e10), rate_text(9.894e14), rate_text(3.2e7)) == ("25 GFLOP/s", "989 TFLOP/s", "32 MFLOP/s")
+
+
+def test_a_chrome_trace_needs_no_interconnect_without_collectives(tiny_dirs, tmp_path):
+    """Issue 17.8: a calibrated GPU profile has no interconnect figures; one GPU has no collectives."""
+    _save_profile("my-gpu", name="my-gpu", intra_node_bytes_per_s=0.0, inter_node_bytes_per_s=0.0)
+    run = fxworkload("extract", tiny_dirs["llama"], "--seq", 16, "--device", "my-gpu", "--format", "chrome-trace",
+                     "--out", tmp_path / "o")
+    assert run.returncode == 0, run.stderr
+    events = json.loads((tmp_path / "o" / "workload.trace.json").read_text())["traceEvents"]
+    assert any(e.get("cat") == "compute" for e in events) and not any(e.get("cat") == "comm" for e in events)
+
+
+def test_a_simai_file_without_dp_says_how_to_get_the_gradient_all_reduce(tiny_dirs, tmp_path):
+    run = fxworkload("extract", tiny_dirs["llama"], "--seq", 16, "--format", "simai", "--out", tmp_path / "o")
+    assert run.returncode == 0 and "note: --dp 1: the SimAI file has no gradient all-reduce; pass --dp N" in run.stdout
+
+
+def test_the_summary_says_what_each_figure_covers(tiny_dirs, tmp_path):
+    """Issue 17.5: with tp, pp, dp and micro-batches the summary showed one shard's figures unlabelled."""
+    run = fxworkload("extract", tiny_dirs["llama"], "--seq", 16, "--tp", 2, "--pp", 2, "--dp", 4,
+                     "--micro-batches", 3, "--out", tmp_path / "o")
+    assert run.returncode == 0, run.stderr
+    lines = run.stdout.splitlines()
+    assert any(line.startswith("trainable parameters (one tp 2 / ep 1 shard, all layers)") for line in lines)
+    assert any("16 (1 x 16); per step 192 (3 micro-batches x dp 4)" in line for line in lines)
+    assert any(line.startswith("fwd+bwd (one micro-batch, one tp 2 / ep 1 shard, all layers)") for line in lines)
+    assert any(line.startswith("compute ms per step on this rank (3 micro-batches;") for line in lines)
+
+
+@pytest.mark.parametrize("changes, field", [
+    ({"matmul_flops_per_s": {"fp32": 0.0, "bf16": 1e15, "fp16": 1e15}}, "matmul_flops_per_s.fp32 = 0.0"),
+    ({"kernel_launch_ns": -5.0}, "kernel_launch_ns = -5.0 must be a finite number, 0 or more"),
+    ({"memory_bytes_per_s": float("nan")}, "memory_bytes_per_s = nan is not a positive finite number"),
+    ({"compute_efficiency": 1.5}, "compute_efficiency = 1.5 must be a fraction in (0, 1]"),
+])
+def test_a_device_profile_with_an_impossible_figure_is_refused_by_name(changes, field, tiny_dirs, tmp_path):
+    """Issue 16.5: a zero rate crashed, a negative launch time gave a negative step, NaN spread everywhere;
+    one corrupt measured profile made `devices` fail."""
+    name = f"bad-{abs(hash(field)) % 10 ** 6}"
+    _save_profile(name, name=name, **changes)
+    run = fxworkload("extract", tiny_dirs["llama"], "--seq", 16, "--device", name, "--out", tmp_path / "o")
+    assert run.returncode == 2 and field in run.stderr and run.stderr.count("\n") == 1, run.stderr
+    assert not (tmp_path / "o").exists()
+    listing = fxworkload("devices")
+    assert listing.returncode == 0 and "h100-sxm" in listing.stdout and f"{name} " in listing.stdout
+
+
+@pytest.mark.parametrize("text, message", [
+    ('{"model_type": ["gpt2"]}', "'model_type' must be a string, got list"),
+    ('{"model_type": "gpt2", "architectures": "GPT2LMHeadModel"}', "'architectures' must be a list of class names"),
+    ('{"model_type": "gpt2", "n_layer": -1}', "num_hidden_layers = -1 is not a model size"),
+    ('{"model_type": "gpt2", "n_positions": 0}', "max_position_embeddings = 0 is not a model size"),
+    ('{"model_type": "gpt2", "n_layer": 100000000}', "num_hidden_layers = 100000000 is not a model size"),
+    ('{"a": ' * 50000 + "1" + "}" * 50000, "JSON nested too deeply"),
+])
+def test_a_config_of_the_wrong_types_or_sizes_is_one_line(text, message, tmp_path):
+    """Issue 16.4: these crashed (TypeError, RecursionError), extracted nothing, traced at 1024 or hung."""
+    (tmp_path / "config.json").write_text(text)
+    run = fxworkload("extract", tmp_path / "config.json", "--out", tmp_path / "o")
+    assert run.returncode == 2 and message in run.stderr and run.stderr.count("\n") == 1, run.stderr

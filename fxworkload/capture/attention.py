@@ -68,7 +68,9 @@ class SdpaCall:
 def choose(call: SdpaCall, target: GpuTarget) -> str:
     """The backend PyTorch's CUDA dispatch takes for this call, or "error" where none can run it."""
     if call.heads != call.kv_heads and (not call.enable_gqa or call.heads % call.kv_heads):
-        return "error"
+        # one key/value head broadcasts over the query heads (Falcon's multi-query attention): only
+        # the math path broadcasts (the fused kernels' check_batch_size_and_num_heads_dense fails)
+        return MATH if call.kv_heads == 1 else "error"
     for backend in target.priority:
         if backend == MATH or RULES[backend](call, target):
             return backend

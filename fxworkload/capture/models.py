@@ -54,16 +54,44 @@ def load_config(config_path: Path) -> PretrainedConfig:
     except json.JSONDecodeError as exc:
         raise UserError(f"{config_path}: malformed JSON at line {exc.lineno} column {exc.colno}; "
                         "fix the file or re-save it with save_pretrained") from None
+    except RecursionError:
+        raise UserError(f"{config_path}: JSON nested too deeply to be a config; re-save it with save_pretrained") from None
     if not isinstance(data, dict) or "model_type" not in data:
         raise UserError(f"{config_path}: no 'model_type' key; this is not a HuggingFace config.json")
     model_type = data["model_type"]
+    if not isinstance(model_type, str):
+        raise UserError(f"{config_path}: 'model_type' must be a string, got {type(model_type).__name__}; fix the file")
+    architectures = data.get("architectures")
+    if architectures is not None and not (isinstance(architectures, list)
+                                          and all(isinstance(a, str) for a in architectures)):
+        raise UserError(f"{config_path}: 'architectures' must be a list of class names; fix the file")
     if model_type not in CONFIG_MAPPING:
         raise UserError(f"{config_path}: model_type '{model_type}' is unknown to this transformers "
                         "version; use a supported architecture or upgrade transformers")
     try:  # from_json_file decodes what save_pretrained encodes (infinite floats)
-        return CONFIG_MAPPING[model_type].from_json_file(config_path)
+        config = CONFIG_MAPPING[model_type].from_json_file(config_path)
     except Exception as exc:  # transformers' validators raise their own error classes
         raise UserError(f"{config_path}: invalid {model_type} config ({_first_line(exc)}); fix the file") from None
+    check_sizes(config, config_path)
+    return config
+
+
+# Sizes past these are no real model's (the largest have ~10^2 layers, widths ~10^4, vocabularies
+# ~10^6): a typo, and building such a model would take minutes or the machine's memory.
+SIZE_LIMITS = {"num_hidden_layers": 4096, "hidden_size": 1 << 20, "num_attention_heads": 1 << 16,
+               "intermediate_size": 1 << 22, "vocab_size": 1 << 24, "max_position_embeddings": 1 << 24}
+
+
+def check_sizes(config: PretrainedConfig, config_path: Path) -> None:
+    """Each size the language model sets is a positive integer of a real model's order (XLNet's -1
+    positions, "no limit", aside)."""
+    for name, limit in SIZE_LIMITS.items():
+        value = setting(config, name)
+        if value is None or (name == "max_position_embeddings" and value == -1):
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= limit:
+            raise UserError(f"{config_path}: {name} = {value!r} is not a model size (a whole number from 1 to "
+                            f"{limit:,}); fix the file")
 
 
 def task_of(config: PretrainedConfig) -> str:
@@ -119,9 +147,12 @@ def build_real_model(spec: ModelSpec, dtype: torch.dtype, device: torch.device, 
     try:
         model, info = auto.from_pretrained(spec.folder, config=spec.config, dtype=dtype, local_files_only=True,
                                            ignore_mismatched_sizes=True, output_loading_info=True)
-    except (OSError, ValueError, RuntimeError) as exc:
-        raise UserError(f"{spec.folder}: cannot load its weights ({_first_line(exc)}); "
-                        "re-save the checkpoint with save_pretrained") from None
+    except PermissionError as exc:
+        raise UserError(f"{spec.folder}: cannot read its weights (permission denied: {exc.filename}); "
+                        "check the files' permissions") from None
+    except Exception as exc:  # safetensors' SafetensorError and torch's unpickling errors share no base class
+        raise UserError(f"{spec.folder}: cannot load its weights ({type(exc).__name__}: {_first_line(exc)}); "
+                        "the weight files are damaged or truncated: re-save the checkpoint with save_pretrained") from None
     _check_loaded(spec, info)
     return model.to(device).train()
 
@@ -140,9 +171,25 @@ def _check_loaded(spec: ModelSpec, info: dict) -> None:
                         "use the config the checkpoint was saved with")
 
 
+def text_config(config: PretrainedConfig) -> PretrainedConfig:
+    """The language model's config: a multimodal model's text (decoder) sub-config, else the config itself."""
+    getter = getattr(config, "get_text_config", None)
+    return getter(decoder=True) if callable(getter) else config
+
+
+def setting(config: PretrainedConfig, name: str, default=None):
+    """One hyper-parameter of the language model, or ``default`` where it has none or keeps it per
+    layer (per-layer configs refuse a global read of such a size)."""
+    try:
+        value = getattr(text_config(config), name, default)
+    except Exception:  # transformers' per-layer attribute errors have no common base class
+        return default
+    return default if value is None else value
+
+
 def max_positions(config: PretrainedConfig) -> int | None:
     """The longest sequence the model takes; None where the config sets no limit (XLNet's -1)."""
-    limit = getattr(config, "max_position_embeddings", None)
+    limit = setting(config, "max_position_embeddings")
     return limit if isinstance(limit, int) and limit > 0 else None
 
 
@@ -157,6 +204,8 @@ def step_seq(spec: ModelSpec, seq: int | None) -> int:
     seq = seq or min(1024, limit or 1024)
     if limit is not None and seq > limit:
         raise UserError(f"--seq {seq} exceeds {spec.name}'s max_position_embeddings ({limit}); use a shorter --seq")
+    if spec.task == CAUSAL_LM and seq < 2:  # the shifted labels would be empty: a NaN loss, no gradient
+        raise UserError(f"--seq {seq}: a causal LM predicts each next token, so a step needs --seq 2 or more")
     return seq
 
 

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -83,12 +85,30 @@ def read_fit(name: str) -> dict:
 
 
 def names() -> list[str]:
-    measured = [p.stem for p in (cache_dir() / "devices").glob("*.json") if not p.stem.startswith("cpu-")]
+    measured = [p.stem for p in (cache_dir() / "devices").glob("*.json")
+                if not p.stem.startswith("cpu-") and _NAME.fullmatch(p.stem)]
     return sorted({p.stem for p in DATA_DIR.glob("*.json")} | set(measured) | {"cpu"})
+
+
+def measured_cpu_paths() -> list[Path]:
+    """Every measured CPU profile (one per torch build and thread count), found without importing torch."""
+    return sorted((cache_dir() / "devices").glob("cpu-torch*-threads*.json"))
+
+
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
+
+
+def check_name(name: str, option: str = "--device") -> str:
+    """A profile name is a name (letters, digits, '.', '_', '-'), never a path."""
+    if not _NAME.fullmatch(name or ""):
+        raise UserError(f"{option} {name!r} is not a device profile name: use up to 100 letters, digits, '.', "
+                        "'_' or '-' (see 'fxworkload devices')")
+    return name
 
 
 def load(name: str) -> DeviceProfile:
     """A shipped datasheet profile, or one ``fxworkload calibrate`` measured; never measures."""
+    check_name(name)
     for path in ((measured_path(name),) if name == "cpu" else (DATA_DIR / f"{name}.json", measured_path(name))):
         if path.is_file():
             return read(path)
@@ -105,8 +125,11 @@ def exists(name: str) -> bool:
 def read(path: Path) -> DeviceProfile:
     try:
         profile = DeviceProfile(**json.loads(path.read_text()))
-    except (OSError, ValueError, TypeError) as exc:
+    except (OSError, ValueError, TypeError, RecursionError) as exc:
         raise UserError(f"{path}: not a device profile ({exc}); delete it and run 'fxworkload calibrate'") from None
+    problem = _bad_figure(profile)
+    if problem:
+        raise UserError(f"{path}: {problem}; fix the profile or delete it and run 'fxworkload calibrate'")
     if profile.sm_count or profile.arch:
         missing = [name for name in GPU_FACTS if not getattr(profile, name)]
         missing += [f"matmul_flops_per_s.{d}" for d in ("fp32", "bf16", "fp16") if not profile.matmul_flops_per_s.get(d)]
@@ -115,6 +138,49 @@ def read(path: Path) -> DeviceProfile:
         if missing:
             raise UserError(f"{path}: GPU profile is missing the datasheet field '{missing[0]}'; add it with its source")
     return profile
+
+
+def _bad_figure(profile: DeviceProfile) -> str | None:
+    """The first figure that cannot be a device's: a rate not finite and positive, an efficiency
+    outside (0, 1], a negative time; None when every figure is sane."""
+    def number(value) -> bool:
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+    if not isinstance(profile.matmul_flops_per_s, dict) or set(profile.matmul_flops_per_s) < {"fp32", "bf16", "fp16"}:
+        return "matmul_flops_per_s must give fp32, bf16 and fp16 rates"
+    positive = {f"matmul_flops_per_s.{k}": v for k, v in profile.matmul_flops_per_s.items()}
+    positive |= {"vector_flops_per_s": profile.vector_flops_per_s, "memory_bytes_per_s": profile.memory_bytes_per_s}
+    positive |= {f"vector_flops_per_s_by_op.{k}": v for k, v in _items(profile.vector_flops_per_s_by_op)}
+    positive |= {f"memory_bytes_per_s_by_bytes[{i}]": v for i, row in enumerate(_rows(profile.memory_bytes_per_s_by_bytes))
+                 for v in row}
+    positive |= {f"matmul_flops_per_s_by_shape.{k}[{i}]": v for k, table in _items(profile.matmul_flops_per_s_by_shape)
+                 for i, row in enumerate(_rows(table)) for v in row}
+    for name, value in positive.items():
+        if not number(value) or value <= 0:
+            return f"{name} = {value!r} is not a positive finite number"
+    for name in ("intra_node_bytes_per_s", "inter_node_bytes_per_s", "kernel_launch_ns", "sm_count", "l2_bytes",
+                 "memory_capacity_bytes"):
+        value = getattr(profile, name)
+        if not number(value) or value < 0:
+            return f"{name} = {value!r} must be a finite number, 0 or more"
+    for name in ("compute_efficiency", "memory_efficiency"):
+        value = getattr(profile, name)
+        if not number(value) or not 0 < value <= 1:
+            return f"{name} = {value!r} must be a fraction in (0, 1]"
+    if not isinstance(profile.gpus_per_node, int) or profile.gpus_per_node < 1:
+        return f"gpus_per_node = {profile.gpus_per_node!r} must be a whole number, 1 or more"
+    for name, value in _items(profile.gpu_model_parameters):
+        if not number(value):
+            return f"gpu_model_parameters.{name} = {value!r} is not a finite number"
+    return None
+
+
+def _items(mapping) -> list:
+    return list(mapping.items()) if isinstance(mapping, dict) else [("?", None)]
+
+
+def _rows(table) -> list:
+    return [row if isinstance(row, list) else [None] for row in table] if isinstance(table, list) else [[None]]
 
 
 def cache_dir() -> Path:

@@ -34,14 +34,16 @@ def comm_ns(comm: Comm, p: Parallel, device: DeviceProfile) -> float:
     return volume_bytes(comm, ranks) / bandwidth * 1e9
 
 
-def check_device(device: DeviceProfile) -> None:
-    if not (device.intra_node_bytes_per_s and device.inter_node_bytes_per_s):
-        raise UserError(f"device '{device.name}' has no interconnect figures for collective times; "
-                        "use a datasheet profile such as --device h100-sxm for --format chrome-trace")
+def check_device(device: DeviceProfile, parallel: Parallel) -> None:
+    """Collective times need the interconnect's figures; a rank with no collective needs none."""
+    if (parallel.tp > 1 or parallel.dp > 1) and not (device.intra_node_bytes_per_s and device.inter_node_bytes_per_s):
+        raise UserError(f"device '{device.name}' has no interconnect figures (intra_node_bytes_per_s, "
+                        "inter_node_bytes_per_s) for the collectives of --tp/--dp > 1; add them to its profile "
+                        "or use a datasheet profile such as --device h100-sxm for --format chrome-trace")
 
 
 def trace_json(rank: RankWorkload, device: DeviceProfile) -> str:
-    check_device(device)
+    check_device(device, rank.parallel)
     timeline = _Timeline(rank.parallel, device)
     compute_units = [u for u in rank.units if u.block != "dp"]
     for micro_batch in range(rank.parallel.micro_batches):

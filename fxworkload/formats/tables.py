@@ -47,7 +47,7 @@ def phase_ns(row: NodeRow, op_ns: Callable[[OpCost], float]) -> tuple[float, ...
 
 def json_text(workload: Workload, settings: dict, device_profile: dict) -> str:
     unruled = sorted({op.op for op in workload.ops() if not op.has_flop_rule})
-    document = {"settings": settings, "device": device_profile, "totals": workload.totals(),
+    document = {"settings": settings, "device": device_profile, "totals": workload.totals,
                 "unruled_ops": unruled, "rows": row_documents(workload, "estimated", estimated, op_document)}
     return document_text(document)
 
@@ -98,21 +98,27 @@ def row_documents(workload: Workload, label: str, op_ns: Callable[[OpCost], floa
 
 
 def summary_text(workload: Workload, settings: dict, top: int = 10) -> str:
-    totals = workload.totals()
+    totals = workload.totals
+    p = settings["parallel"]
     tokens = settings["batch"] * settings["seq"]
+    sharded = p["tp"] > 1 or p["ep"] > 1
+    scope = f"one tp {p['tp']} / ep {p['ep']} shard, all layers" if sharded else "whole model"
+    per_step = "" if p["micro_batches"] == 1 and p["dp"] == 1 else (
+        f"; per step {tokens * p['micro_batches'] * p['dp']:,} ({p['micro_batches']} micro-batches x dp {p['dp']})")
     key_figures = [
         ["model", settings["model"]],
         ["device", settings["device"]],
         ["dtype / grad dtype", f"{settings['dtype']} / {settings['grad_dtype']}"],
-        ["trainable parameters", f"{totals['parameters']:,}"],
-        ["tokens per step (batch x seq)", f"{tokens:,} ({settings['batch']} x {settings['seq']})"],
-        ["gradient all-reduce bytes", f"{totals['gradient_bytes']:,}"],
+        [f"trainable parameters ({scope})", f"{totals['parameters']:,}"],
+        ["tokens per micro-batch (batch x seq)", f"{tokens:,} ({settings['batch']} x {settings['seq']}){per_step}"],
+        [f"gradient bytes ({scope})", f"{totals['gradient_bytes']:,}"],
     ]
+    pass_label = "one micro-batch" + (f", {scope}" if sharded or p["pp"] > 1 else "")
     phases = [[phase, f"{totals[f'{phase}_flops']:.4e}", f"{totals[f'{phase}_bytes']:.4e}",
                f"{totals[f'{phase}_estimated_ns'] / 1e6:.3f}"]
               for phase in ("forward", "input_grad", "weight_grad")]
-    phases.append(["step", f"{sum(totals[f'{p}_flops'] for p in ('forward', 'input_grad', 'weight_grad')):.4e}",
-                   f"{sum(totals[f'{p}_bytes'] for p in ('forward', 'input_grad', 'weight_grad')):.4e}",
+    phases.append([f"fwd+bwd ({pass_label})", f"{sum(totals[f'{ph}_flops'] for ph in PHASES):.4e}",
+                   f"{sum(totals[f'{ph}_bytes'] for ph in PHASES):.4e}",
                    f"{totals['step_estimated_ns'] / 1e6:.3f}"])
     costliest = sorted(workload.node_rows, key=lambda r: r.total_ns, reverse=True)[:top]
     top_rows = [[r.name, r.forward.op, f"{r.forward.estimated_ns / 1e6:.4f}", f"{r.backward_ns / 1e6:.4f}",
@@ -139,8 +145,10 @@ def rank_summary_text(rank) -> str:
                       f"tp {p.tp}, dp {p.dp}, ep {p.ep}, sp {'on' if p.sp else 'off'}, zero {p.zero}"],
              ["world size", f"{p.world}"],
              ["units (layer-level rows)", f"{len(units)}"],
-             *([f"{phase} estimated ms per micro-batch", f"{sum(u.ns(phase) for u in units) / 1e6:.3f}"]
+             *([f"{phase} estimated ms per micro-batch (this rank's layers)", f"{sum(u.ns(phase) for u in units) / 1e6:.3f}"]
                for phase in PHASES),
+             [f"compute ms per step on this rank ({p.micro_batches} micro-batches; no pipeline bubble or collectives)",
+              f"{p.micro_batches * sum(u.ns(phase) for u in units for phase in PHASES) / 1e6:.3f}"],
              ["pipeline send bytes", f"{rank.pp_comm_bytes:,}"]]
     lines += [[f"{key} bytes (dp: per step; others: per micro-batch)", f"{value:,}"]
               for key, value in sorted(comm_bytes.items())]

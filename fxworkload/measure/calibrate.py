@@ -45,7 +45,7 @@ def measure(on: str = "cpu", name: str = "cpu", progress=lambda text: None) -> D
         gemm_tables[dtype_name] = _gemm_table(clock, dtype, launch_ns)
         largest = _largest(gemm_tables[dtype_name])
         progress(f"{dtype_name} GEMM: {len(gemm_tables[dtype_name])} shapes, largest "
-                 f"{'x'.join(str(d) for d in largest[:3])} at {largest[3] / 1e12:.3f} TFLOP/s")
+                 f"{'x'.join(str(d) for d in largest[:3])} at {rate_text(largest[3])}")
     memory_curve = _memory_curve(clock, launch_ns)
     rates = [rate for _, rate in memory_curve]
     progress(f"bandwidth {min(rates) / 1e9:.1f} to {max(rates) / 1e9:.1f} GB/s, "
@@ -73,6 +73,14 @@ def measure(on: str = "cpu", name: str = "cpu", progress=lambda text: None) -> D
                  "kernel_launch_ns": f"{how}: median time of add, mul, clone of 4096 elements",
                  "compute_efficiency": "1.0: the rates are measured, not peaks",
                  "memory_efficiency": "1.0: the bandwidth is measured, not a peak"})
+
+
+def rate_text(flops_per_s: float) -> str:
+    """A rate in the unit that shows its digits: a CPU's bf16 GEMM is GFLOP/s, not 0.000 TFLOP/s."""
+    for scale, unit in ((1e12, "TFLOP/s"), (1e9, "GFLOP/s"), (1e6, "MFLOP/s")):
+        if flops_per_s >= scale:
+            return f"{flops_per_s / scale:.3g} {unit}"
+    return f"{flops_per_s:.3g} FLOP/s"
 
 
 def _overhead_ns(clock: Clock) -> float:

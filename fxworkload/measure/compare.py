@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import statistics
 from collections import defaultdict
 from dataclasses import dataclass
@@ -71,8 +72,65 @@ def load_document(path: Path, expected_name: str) -> dict:
     if not isinstance(document, dict) or not _has_op_times(document, time_key):
         raise UserError(f"{path}: not a {expected_name} (no rows with per-op '{time_key}'); "
                         f"pass the {expected_name} that fxworkload wrote")
+    problem = _malformed(document, time_key)
+    if problem:
+        raise UserError(f"{path}: {problem}; pass the {expected_name} that fxworkload wrote, unedited")
     document["path"] = str(path)
     return document
+
+
+# Settings that define the step both files describe, with the option that sets each; the measured
+# side (profile) traces one whole model, so its tp, ep and padding are 1.
+STEP_SETTINGS = {"model_type": "MODEL", "batch": "--batch", "seq": "--seq", "dtype": "--dtype",
+                 "tp": "--tp", "ep": "--ep", "vocab_multiple": "--vocab-multiple"}
+
+
+def step_settings(settings: dict) -> dict:
+    parallel = settings.get("parallel") if isinstance(settings.get("parallel"), dict) else {}
+    return {key: settings.get(key, parallel.get(key, 1)) for key in STEP_SETTINGS}
+
+
+def check_same_step(estimated: dict, measured: dict) -> None:
+    ours, theirs = (step_settings(d.get("settings") if isinstance(d.get("settings"), dict) else {})
+                    for d in (estimated, measured))
+    differ = [key for key in STEP_SETTINGS if ours[key] != theirs[key]]
+    if differ:
+        what = ", ".join(f"{STEP_SETTINGS[k]} {ours[k]} estimated vs {theirs[k]} measured" for k in differ)
+        raise UserError(f"the two files describe different steps ({what}); extract with the settings the "
+                        "measurement used")
+
+
+def _malformed(document: dict, time_key: str) -> str | None:
+    """The first field compare reads that is missing, of the wrong type, or not a time (finite, ≥ 0)."""
+    label = time_key.removesuffix("_ns")
+    if not isinstance(document.get("settings", {}), dict):
+        return "'settings' is not an object"
+    for index, row in enumerate(document["rows"], start=1):
+        if not isinstance(row, dict):
+            return f"row {index} is not an object"
+        if row.get("type") != "node":
+            continue
+        if not isinstance(row.get("name"), str):
+            return f"row {index} has no name"
+        for phase in PHASES:
+            total = row.get(f"{phase}_{label}_ns")
+            if not _is_time(total):
+                return f"row {index} '{row['name']}': {phase}_{label}_ns = {total!r} is not a time in ns (finite, 0 or more)"
+            ops = [row.get(phase)] if phase == "forward" else row.get(phase)
+            if not isinstance(ops, list):
+                return f"row {index} '{row['name']}': '{phase}' is not a list of ops"
+            for op in ops:
+                if not (isinstance(op, dict) and isinstance(op.get("op"), str) and isinstance(op.get("kind"), str)
+                        and isinstance(op.get("input_shapes"), list)):
+                    return f"row {index} '{row['name']}': a {phase} op lacks its op, kind or input_shapes"
+                if not _is_time(op.get(time_key)):
+                    return (f"row {index} '{row['name']}': a {phase} op's {time_key} = {op.get(time_key)!r} is not a "
+                            "time in ns (finite, 0 or more)")
+    return None
+
+
+def _is_time(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
 
 
 def _has_op_times(document: dict, time_key: str) -> bool:
@@ -82,6 +140,7 @@ def _has_op_times(document: dict, time_key: str) -> bool:
 
 
 def compare(estimated: dict, measured: dict) -> Comparison:
+    check_same_step(estimated, measured)
     pairs, unpaired = [], 0
     estimated_rows, measured_rows = _node_rows(estimated), _node_rows(measured)
     for index, (e_row, m_row) in enumerate(zip_longest(estimated_rows, measured_rows), start=1):

@@ -16,6 +16,7 @@ import statistics
 import sys
 from collections import defaultdict
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import transformers
@@ -74,6 +75,36 @@ class NodeTimer(torch.fx.Interpreter):
         return result
 
 
+# The run holds the weights, the graph run's gradients and eager autograd's (the check): three
+# copies of the parameters, before any activation.
+PARAMETER_COPIES = 3
+
+
+def check_memory(spec, dtype: torch.dtype, device: torch.device) -> None:
+    """Refuse up front a model whose parameters alone would not fit, instead of allocating for
+    half a minute and dying with the allocator's error."""
+    parameters = models.trainable_parameter_count(models.build_meta_model(spec, dtype))
+    needed_bytes = PARAMETER_COPIES * parameters * dtype.itemsize
+    available_bytes = _available_bytes(device)
+    if available_bytes is not None and needed_bytes > available_bytes:
+        raise UserError(f"{spec.name} has {parameters:,} parameters: profiling it needs at least "
+                        f"{needed_bytes / 2 ** 30:.1f} GiB ({PARAMETER_COPIES} copies in {str(dtype).removeprefix('torch.')}) "
+                        f"but {device} has {available_bytes / 2 ** 30:.1f} GiB free; use a smaller model or "
+                        "'fxworkload extract', which needs no weight memory")
+
+
+def _available_bytes(device: torch.device) -> int | None:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def profile(model: str, batch: int = 1, seq: int | None = None, dtype: str = "fp32", on: str = "auto",
             repeat: int = 5, warmup: int = 2, progress: bool = False) -> Measurement:
     check_settings(batch, seq, dtype)
@@ -86,6 +117,7 @@ def profile(model: str, batch: int = 1, seq: int | None = None, dtype: str = "fp
     say = (lambda text: print(text, file=sys.stderr, flush=True)) if progress else (lambda text: None)
 
     source = "its checkpoint weights" if models.has_weights(spec) else f"random weights (seed {SEED})"
+    check_memory(spec, DTYPES[dtype], device)
     module = models.build_real_model(spec, DTYPES[dtype], device, seed=SEED)
     say(f"loaded {spec.name} with {source} on {device} ({dtype})")
     say(f"capturing one training step (batch {batch}, seq {seq})...")
@@ -96,7 +128,7 @@ def profile(model: str, batch: int = 1, seq: int | None = None, dtype: str = "fp
     parameters = dict(module.named_parameters())
     values = [p.detach() for p in parameters.values()] + [b for _, b in module.named_buffers()]
     generator = torch.Generator().manual_seed(SEED)
-    input_ids = torch.randint(0, spec.config.vocab_size, (batch, seq), generator=generator).to(device)
+    input_ids = torch.randint(0, models.setting(spec.config, "vocab_size"), (batch, seq), generator=generator).to(device)
 
     say("checking the node-by-node run against eager loss.backward()...")
     verification = verify(module, capture.graph_module, values, input_ids, list(parameters), dtype)

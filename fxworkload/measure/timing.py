@@ -73,6 +73,9 @@ def device_for(on: str) -> torch.device:
     if on == "cpu":
         return torch.device("cpu")
     if on == "cuda":
+        if torch.version.cuda is None:
+            raise UserError(f"--on cuda: the installed torch {torch.__version__} is a CPU-only build; install a "
+                            "CUDA build of torch to run on a GPU, or use --on cpu")
         if not torch.cuda.is_available():
             raise UserError("--on cuda: torch sees no CUDA device on this machine; use --on cpu")
         return torch.device("cuda", torch.cuda.current_device())

@@ -29,6 +29,7 @@ class ModelFacts:
 
 def model_facts(spec, model) -> ModelFacts:
     """The facts of a resolved spec and its (meta) model."""
+    from ..capture.models import setting
     from ..workload.layers import layer_stack
     from .tensor_parallel import path_of, plan_for
 
@@ -36,20 +37,28 @@ def model_facts(spec, model) -> ModelFacts:
     plan = plan_for(model)
     head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
     tied = head is not None and embedding is not None and head.weight is embedding.weight
-    heads = getattr(config, "num_attention_heads", None) or 0  # 0: no attention (state-space models)
-    layers = getattr(config, "num_hidden_layers", None) or 0
+    heads = _count(setting(config, "num_attention_heads", 0))  # 0: no attention (state-space models)
+    layers = _count(setting(config, "num_hidden_layers", 0))
     return ModelFacts(
         name=spec.name, model_type=config.model_type, task=spec.task, layers=layers,
-        hidden=getattr(config, "hidden_size", None) or 0, heads=heads,
-        kv_heads=getattr(config, "num_key_value_heads", None) or heads,
-        vocab=config.vocab_size, experts=experts_of(config),
-        top_k=getattr(config, "num_experts_per_tok", 1) or 1, stack=layer_stack(model, layers) if layers else None,
+        hidden=_count(setting(config, "hidden_size", 0)), heads=heads,
+        kv_heads=_count(setting(config, "num_key_value_heads", 0)) or heads,
+        vocab=_count(setting(config, "vocab_size", 0)), experts=experts_of(config),
+        top_k=_count(setting(config, "num_experts_per_tok", 1)) or 1,
+        stack=layer_stack(model, layers) if layers else None,
         row_parallel=tuple(plan.row_parallel_modules()) if plan else (),
         tied_embedding=path_of(model, embedding) if tied else None)
 
 
+def _count(value) -> int:
+    """A size the parallel checks can divide: an int, else 0 (a model without it, or one kept per layer)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+
+
 def experts_of(config) -> int:
+    from ..capture.models import setting
+
     for name in ("num_local_experts", "num_experts", "n_routed_experts"):
-        if isinstance(getattr(config, name, None), int):
-            return getattr(config, name)
+        if _count(setting(config, name)):
+            return setting(config, name)
     return 0

@@ -31,16 +31,50 @@ class Parallel:
         return out | {"world": self.world}
 
 
+# Beyond any real run (the largest trainings so far use about 10^5 GPUs and 10^3 micro-batches):
+# a figure past these is a typo, and would make outputs of absurd size.
+MAX_WORLD = 1 << 20
+MAX_MICRO_BATCHES = 1 << 14
+MAX_VOCAB_MULTIPLE = 1 << 16
+MAX_BUCKET_MB = 1 << 20
+
+
+def check_values(parallel: Parallel) -> None:
+    """The settings on their own (before any model is read): types, ranges and sizes."""
+    p = parallel
+    for name in ("dp", "tp", "pp", "ep", "micro_batches", "vocab_multiple"):
+        value = getattr(p, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise UserError(f"--{name.replace('_', '-')} must be a positive integer, got {value}")
+    if p.world > MAX_WORLD:
+        raise UserError(f"--dp x --tp x --pp = {p.world:,} GPUs exceeds {MAX_WORLD:,}, more than any real run; "
+                        "check the layout")
+    if p.micro_batches > MAX_MICRO_BATCHES:
+        raise UserError(f"--micro-batches {p.micro_batches:,} exceeds {MAX_MICRO_BATCHES:,}, more than any real run; "
+                        "use fewer, larger micro-batches (--batch)")
+    if p.vocab_multiple > MAX_VOCAB_MULTIPLE:
+        raise UserError(f"--vocab-multiple {p.vocab_multiple:,} exceeds {MAX_VOCAB_MULTIPLE:,}; Megatron-LM uses 128")
+    if p.zero not in (0, 1, 2, 3):
+        raise UserError(f"--zero must be 0, 1, 2 or 3, got {p.zero}")
+    if not isinstance(p.bucket_mb, (int, float)) or not 0 <= p.bucket_mb <= MAX_BUCKET_MB:  # NaN fails too
+        raise UserError(f"--bucket-mb must be 0 (one collective per parameter group) or a size up to "
+                        f"{MAX_BUCKET_MB:,} MiB, got {p.bucket_mb}")
+    if p.pp_layers is not None and (len(p.pp_layers) != p.pp or min(p.pp_layers) < 1):
+        raise UserError(f"--pp-layers {','.join(map(str, p.pp_layers))} must give {p.pp} counts (one per --pp "
+                        "stage), each at least 1")
+
+
+def check_sequence(parallel: Parallel, seq: int) -> None:
+    """Sequence parallelism splits the sequence over the tensor-parallel group."""
+    if parallel.sp and seq % parallel.tp:
+        raise UserError(f"--sp splits the sequence over --tp {parallel.tp}: --seq {seq} does not divide by it; "
+                        "choose a --seq that is a multiple of --tp")
+
+
 def check(parallel: Parallel, facts) -> None:
     """Reject, in one line, any setting this model cannot be split by."""
     p = parallel
-    for name in ("dp", "tp", "pp", "ep", "micro_batches", "vocab_multiple"):
-        if getattr(p, name) < 1:
-            raise UserError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(p, name)}")
-    if p.zero not in (0, 1, 2, 3):
-        raise UserError(f"--zero must be 0, 1, 2 or 3, got {p.zero}")
-    if p.bucket_mb < 0:
-        raise UserError(f"--bucket-mb must be 0 (one collective per parameter group) or positive, got {p.bucket_mb}")
+    check_values(p)
     if p.sp and p.tp == 1:
         raise UserError("--sp splits the sequence over the tensor-parallel group: it needs --tp > 1")
     if not 0 <= p.stage < p.pp:
@@ -73,8 +107,8 @@ def stage_layers(parallel: Parallel, layers: int) -> list[range]:
     p = parallel
     if p.pp_layers is not None:
         counts = list(p.pp_layers)
-        if len(counts) != p.pp or sum(counts) != layers or min(counts) < 0:
-            raise UserError(f"--pp-layers {','.join(map(str, counts))} must give {p.pp} non-negative counts "
+        if len(counts) != p.pp or sum(counts) != layers or min(counts) < 1:
+            raise UserError(f"--pp-layers {','.join(map(str, counts))} must give {p.pp} counts, each at least 1, "
                             f"summing to the model's {layers} layers")
     elif layers % p.pp:
         raise UserError(f"--pp {p.pp} does not divide the model's {layers} layers; "

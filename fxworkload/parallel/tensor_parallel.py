@@ -21,6 +21,7 @@ from transformers.pytorch_utils import Conv1D
 
 from ..errors import UserError
 from ..capture.builtin import BUILTIN_DIR
+from ..capture.models import text_config
 
 COLUMN = "column"
 ROW = "row"
@@ -97,12 +98,15 @@ def _divide_vocab_size(model: torch.nn.Module, tp: int) -> None:
     """The loss reshapes the logits by the vocabulary size (config.vocab_size, or a copy of it some
     heads keep as an attribute): make it one rank's share, on a copy of the caller's config."""
     old, new = model.config, copy.deepcopy(model.config)
-    new.vocab_size //= tp
+    old_text, new_text = text_config(old), text_config(new)
+    new_text.vocab_size //= tp
     for module in model.modules():
         if getattr(module, "config", None) is old:
             module.config = new
-        if getattr(module, "vocab_size", None) == old.vocab_size:
-            module.vocab_size = new.vocab_size
+        elif getattr(module, "config", None) is old_text:
+            module.config = new_text
+        if getattr(module, "vocab_size", None) == old_text.vocab_size:
+            module.vocab_size = new_text.vocab_size
 
 
 def _is_expert_bank(module: torch.nn.Module) -> bool:

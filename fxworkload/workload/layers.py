@@ -35,7 +35,9 @@ def fast_workload(spec, model: torch.nn.Module, batch: int, seq: int, dtype: tor
                   prepare: Callable[[torch.nn.Module], torch.nn.Module] = lambda m: m) -> Workload | None:
     """The device-free table of the full model from 4- and 5-layer captures, or None if layers differ.
     ``prepare`` turns each freshly built short model into what is traced (one parallel rank's share)."""
-    layers = spec.config.num_hidden_layers
+    from ..capture.models import setting  # transformers: only when capturing
+
+    layers = setting(spec.config, "num_hidden_layers", 0)
     stack = layer_stack(model, layers)
     if layers <= max(SHORT_LAYERS) or stack is None or not homogeneous(model.get_submodule(stack)):
         return None
@@ -95,11 +97,15 @@ def _signature(layer: torch.nn.Module) -> str:
 
 
 def _short_config(config, layers: int):
+    """A copy whose language model has ``layers`` layers (a multimodal model's text sub-config)."""
+    from ..capture.models import text_config
+
     short = copy.deepcopy(config)
-    short.num_hidden_layers = layers
-    for name, value in vars(config).items():  # per-layer lists (layer_types): keep the first entries
-        if isinstance(value, list) and len(value) == config.num_hidden_layers:
-            setattr(short, name, value[:layers])
+    text, short_text = text_config(config), text_config(short)
+    short_text.num_hidden_layers = layers
+    for name, value in vars(text).items():  # per-layer lists (layer_types): keep the first entries
+        if isinstance(value, list) and len(value) == text.num_hidden_layers:
+            setattr(short_text, name, value[:layers])
     return short
 
 

@@ -108,7 +108,9 @@ class Workload:
         rows = self.node_rows
         return [r.forward for r in rows] + [op for r in reversed(rows) for op in r.input_grad + r.weight_grad]
 
+    @property
     def totals(self) -> dict:
+        """Whole-step figures: flops, bytes and estimated ns per phase, kernel and dispatch sums, the step."""
         out = {}
         for phase in (FORWARD, INPUT_GRAD, WEIGHT_GRAD):
             ops = self.ops(phase)

@@ -13,7 +13,7 @@ from fxworkload.capture import models
 from fxworkload.capture.attention import SdpaCall, choose
 from fxworkload.capture.trace import capture_training_step
 from fxworkload.cost.devices import load
-from fxworkload.extract import trace_target
+from fxworkload.pipeline import trace_target
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -83,3 +83,19 @@ def test_an_unpacked_batch_passes_no_mask_as_eager_does(tiny_dirs):
     or the GPU would be charged the masked (memory-efficient) kernel."""
     ops = _ops(tiny_dirs["llama"], torch.bfloat16, "a100-80gb")
     assert ops.count("aten._scaled_dot_product_flash_attention.default") == 2
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2])
+def test_key_value_heads_without_gqa_broadcast_only_when_there_is_one(kv_heads):
+    """Falcon passes one key/value head without enable_gqa: torch broadcasts it (math path); two
+    heads for four query heads is an error. Oracle: torch's own SDPA on the CPU."""
+    q, kv = torch.zeros(1, 4, 8, 16), torch.zeros(1, kv_heads, 8, 16)
+    try:
+        torch.nn.functional.scaled_dot_product_attention(q, kv, kv)
+        eager = "runs"
+    except RuntimeError:
+        eager = "error"
+    call = SdpaCall(dtype=torch.bfloat16, batch=1, heads=4, kv_heads=kv_heads, q_len=8, kv_len=8, head_dim=16,
+                    v_head_dim=16, has_mask=False, dropout=0.0, is_causal=False)
+    chosen = choose(call, trace_target("auto", load("h100-sxm")))
+    assert (chosen == "error") == (eager == "error") and chosen in ("math", "error")

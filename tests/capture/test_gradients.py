@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fxworkload.capture import models
-from fxworkload.extract import extract
+from fxworkload.pipeline import extract
 from fxworkload.formats.tables import tsv_text
 
 # Published trainable-parameter counts (model cards / papers), an oracle independent of our configs.

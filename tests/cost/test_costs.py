@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from fxworkload.cost.devices import DeviceProfile, load
-from fxworkload.extract import extract
+from fxworkload.pipeline import extract
 from fxworkload.cost.roofline import estimate_ns
 
 from ..conftest import tiny_config
@@ -54,7 +54,7 @@ def test_every_traced_op_lands_in_exactly_one_row(gpt2, tiny_dirs):
     from fxworkload.capture.trace import capture_training_step
 
     from fxworkload.cost.devices import load as load_device
-    from fxworkload.extract import trace_target
+    from fxworkload.pipeline import trace_target
 
     module = models.build_meta_model(models.resolve(str(tiny_dirs["gpt2"])), torch.float32)
     capture = capture_training_step(module, B, S, gpu=trace_target("auto", load_device("a100-80gb")))
@@ -63,7 +63,7 @@ def test_every_traced_op_lands_in_exactly_one_row(gpt2, tiny_dirs):
 
 
 def test_row_times_add_up_to_the_phase_totals(gpt2):
-    totals = gpt2.workload.totals()
+    totals = gpt2.workload.totals
     rows = gpt2.workload.node_rows
     assert sum(r.forward.estimated_ns for r in rows) == pytest.approx(totals["forward_estimated_ns"])
     assert sum(r.backward_ns for r in rows) == pytest.approx(totals["input_grad_estimated_ns"])

@@ -7,7 +7,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
 from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
 
-from fxworkload.extract import extract
+from fxworkload.pipeline import extract
 
 from ..conftest import tiny_config
 

@@ -14,7 +14,7 @@ from fxworkload.formats.chrome_trace import comm_ns
 from fxworkload.cli import main
 from fxworkload.cost.devices import load
 from fxworkload.errors import UserError
-from fxworkload.extract import extract
+from fxworkload.pipeline import extract
 from fxworkload.parallel.layout import Parallel
 from fxworkload.formats.simai import COMM_TYPES, from_rank, text
 
@@ -31,7 +31,7 @@ def _run(tmp_path, *args):
 def test_simai_file_round_trips_and_matches_the_rank(tiny_dirs, tmp_path, capsys):
     code, out = _run(tmp_path, str(tiny_dirs["mixtral"]), "--batch", "2", "--seq", "16", "--format", "simai",
                      "--stage", "1", *PARALLEL_ARGS)
-    assert code == 0 and sorted(p.name for p in out.iterdir()) == ["workload.simai.txt"]
+    assert code == 0 and sorted(p.name for p in out.iterdir()) == ["manifest.json", "workload.simai.txt"]
     document = read_simai(out / "workload.simai.txt")
     lines = (out / "workload.simai.txt").read_text().splitlines()
     assert lines[0] == ("HYBRID_TRANSFORMER_FWD_IN_BCKWD model_parallel_NPU_group: 2 ep: 2 pp: 2 vpp: 1 ga: 3 "
@@ -119,14 +119,20 @@ def test_chrome_trace_lays_out_every_unit_and_collective(tiny_dirs, tmp_path):
     (["--tp", "4"], "--tp 4 does not divide the model's 2 key/value heads"),
     (["--ep", "2", "--dp", "2"], "--ep 2 needs a mixture-of-experts model"),
     (["--pp", "3"], "--pp 3 does not divide the model's 2 layers"),
-    (["--pp", "2", "--pp-layers", "2,1"], "--pp-layers 2,1 must give 2 non-negative counts summing to the model's 2"),
+    (["--pp", "2", "--pp-layers", "2,1"], "--pp-layers 2,1 must give 2 counts, each at least 1, summing to the model's 2"),
+    (["--pp", "2", "--pp-layers", "2,0"], "--pp-layers 2,0 must give 2 counts (one per --pp stage), each at least 1"),
+    (["--vocab-multiple", "0"], "--vocab-multiple must be a positive integer, got 0"),
+    (["--bucket-mb", "nan"], "--bucket-mb must be 0 (one collective per parameter group) or a size up to"),
+    (["--dp", "99999999999999999999"], "GPUs exceeds 1,048,576, more than any real run"),
+    (["--micro-batches", "1000000", "--format", "chrome-trace"], "--micro-batches 1,000,000 exceeds 16,384"),
+    (["--tp", "2", "--sp", "--seq", "15"], "--sp splits the sequence over --tp 2: --seq 15 does not divide by it"),
     (["--sp"], "--sp splits the sequence over the tensor-parallel group"),
     (["--pp", "2", "--stage", "2"], "--stage 2 is not a pipeline stage"),
     (["--zero", "4"], "--zero must be 0, 1, 2 or 3"),
     (["--dp", "0"], "--dp must be a positive integer"),
     (["--format", "simai,xml"], "unknown --format 'xml'"),
     (["--pp-layers", "a"], "--pp-layers must be comma-separated integers"),
-    (["--format", "chrome-trace", "--device", "cpu"], "device 'cpu' has no interconnect figures"),
+    (["--format", "chrome-trace", "--device", "cpu", "--dp", "2"], "device 'cpu' has no interconnect figures"),
 ])
 def test_bad_parallel_settings_are_one_line_and_write_nothing(tiny_dirs, tmp_path, capsys, args, message):
     code, out = _run(tmp_path, str(tiny_dirs["llama"]), "--seq", "16", *args)

@@ -11,7 +11,8 @@ from transformers import AutoModelForCausalLM
 from fxworkload.cost import devices
 from fxworkload.measure.compare import compare, kind_summary, overall
 from fxworkload.errors import UserError
-from fxworkload.extract import extract
+from fxworkload.pipeline import extract
+from fxworkload.parallel.layout import Parallel
 from fxworkload.formats.tables import json_text, measured_json_text, tsv_text
 from fxworkload.measure.profile import profile, verify
 
@@ -109,22 +110,28 @@ def test_compare_sums_and_errors_by_hand(tiny_dirs, measured_gpt2):
 
 def test_compare_rejects_another_model_or_other_settings(tiny_dirs, measured_gpt2):
     estimated, measured = _documents(tiny_dirs, measured_gpt2, seq=8)
+    with pytest.raises(UserError, match=r"different steps \(--seq 8 estimated vs 16 measured\)"):
+        compare(estimated, measured)
+    estimated["settings"]["seq"] = 16  # settings that lie: the shapes still tell
     with pytest.raises(UserError, match=r"row 1 'transformer_view' does not match: its forward aten.view.default reads shapes "
                                         r"\[\[2, 8\]\] estimated but \[\[2, 16\]\] measured"):
         compare(estimated, measured)
     other = extract(str(tiny_dirs["llama"]), batch=2, seq=16, trace_on="cpu")
-    with pytest.raises(UserError, match=r"row 1 does not match: estimated has 'model_embed_tokens', "
-                                        r"measured has 'transformer_view'"):
+    with pytest.raises(UserError, match=r"different steps \(MODEL llama estimated vs gpt2 measured\)"):
         compare(json.loads(json_text(other.workload, other.settings, {})), measured)
+    tp2 = extract(str(tiny_dirs["gpt2"]), batch=2, seq=16, trace_on="cpu", parallel=Parallel(tp=2, vocab_multiple=8))
+    with pytest.raises(UserError, match=r"different steps \(--tp 2 estimated vs 1 measured, "
+                                        r"--vocab-multiple 8 estimated vs 1 measured\)"):
+        compare(json.loads(json_text(tp2.workload, tp2.settings, {})), measured)
 
 
 def test_profile_and_compare_commands(tiny_dirs, tmp_path):
-    out = tmp_path / "out"
+    out, measured = tmp_path / "out", tmp_path / "measured"
     assert fxworkload("extract", tiny_dirs["gpt2"], "--seq", 16, "--trace-on", "cpu", "--out", out).returncode == 0
-    run = fxworkload("profile", tiny_dirs["gpt2"], "--seq", 16, "--on", "cpu", "--repeat", 1, "--out", out)
+    run = fxworkload("profile", tiny_dirs["gpt2"], "--seq", 16, "--on", "cpu", "--repeat", 1, "--out", measured)
     assert run.returncode == 0, run.stderr
     assert "eager step" in run.stdout
-    run = fxworkload("compare", out / "workload.tsv", out, "--plot", tmp_path / "plot.png")
+    run = fxworkload("compare", out / "workload.tsv", measured, "--plot", tmp_path / "plot.png")
     assert run.returncode == 0, run.stderr
     assert "median_abs_error" in run.stdout and "time-weighted error" in run.stdout
     assert (tmp_path / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -145,7 +152,8 @@ def test_bad_profile_and_compare_input_is_one_line(tiny_dirs, tmp_path):
         (("compare", tmp_path / "junk.json", tmp_path / "junk.json"), "cannot read it as JSON"),
     ]
     if not torch.cuda.is_available():
-        cases.append((("calibrate", "--on", "cuda", "--name", "x"), "torch sees no CUDA device"))
+        cases.append((("calibrate", "--on", "cuda", "--name", "x"),
+                      "is a CPU-only build" if torch.version.cuda is None else "torch sees no CUDA device"))
     for args, message in cases:
         run = fxworkload(*args)
         assert run.returncode == 2, (args, run.stderr)
@@ -171,3 +179,60 @@ def test_calibrated_profile_is_where_the_cost_model_reads_it(monkeypatch, tiny_d
     assert head.forward.estimated_ns == pytest.approx(estimate_ns(
         head.forward.flops, head.forward.bytes, torch.float32, measured, uses_matmul_units=True, gemm=(m, k, n)))
     assert head.forward.flops == 2 * m * k * n
+
+
+def _mangled(document: dict, how: str) -> dict:
+    row = next(r for r in document["rows"] if r.get("type") == "node")
+    if how == "non-object row":
+        document["rows"].insert(0, 7)
+    elif how == "missing key":
+        del row["forward"]["kind"]
+    elif how == "wrong type":
+        row["input_grad"] = "none"
+    elif how in ("nan", "inf", "negative"):
+        row["forward"]["estimated_ns"] = {"nan": float("nan"), "inf": float("inf"), "negative": -1.0}[how]
+    return document
+
+
+@pytest.mark.parametrize("how, message", [
+    ("non-object row", "row 1 is not an object"),
+    ("missing key", "a forward op lacks its op, kind or input_shapes"),
+    ("wrong type", "'input_grad' is not a list of ops"),
+    ("nan", "estimated_ns = nan is not a time in ns"),
+    ("inf", "estimated_ns = inf is not a time in ns"),
+    ("negative", "estimated_ns = -1.0 is not a time in ns"),
+])
+def test_compare_refuses_a_malformed_table_by_row_and_field(how, message, tiny_dirs, tmp_path):
+    """Issue 16.6: these crashed with tracebacks, or printed +nan%."""
+    result = extract(str(tiny_dirs["gpt2"]), seq=16, trace_on="cpu")
+    document = _mangled(json.loads(json_text(result.workload, result.settings, {})), how)
+    (tmp_path / "workload.json").write_text(json.dumps(document))
+    run = fxworkload("compare", tmp_path / "workload.json", tmp_path / "workload.json")
+    assert run.returncode == 2 and message in run.stderr and run.stderr.count("\n") == 1, run.stderr
+
+
+@pytest.mark.parametrize("damage", ["garbage", "empty", "truncated"])
+def test_damaged_weights_are_one_line(damage, tmp_path):
+    """Issue 16.7: a garbage, empty or truncated model.safetensors raised SafetensorError."""
+    AutoModelForCausalLM.from_config(tiny_config("gpt2")).save_pretrained(tmp_path / "ckpt")
+    weights = tmp_path / "ckpt" / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes({"garbage": b"\x00not safetensors" * 10, "empty": b"", "truncated": data[: len(data) // 2]}[damage])
+    run = fxworkload("profile", tmp_path / "ckpt", "--seq", 8, "--on", "cpu", "--out", tmp_path / "o")
+    assert run.returncode == 2 and run.stderr.count("\n") == 1, run.stderr
+    assert "cannot load its weights" in run.stderr and "damaged or truncated" in run.stderr
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_model_too_large_for_memory_is_refused_before_allocating(tiny_dirs, monkeypatch):
+    from fxworkload.measure import profile as profile_module
+
+    monkeypatch.setattr(profile_module, "_available_bytes", lambda device: 1000)
+    with pytest.raises(UserError, match=r"has [\d,]+ parameters: profiling it needs at least .* but cpu has 0.0 GiB free"):
+        profile(str(tiny_dirs["gpt2"]), seq=8, on="cpu", repeat=1)
+
+
+def test_seq_1_is_refused_for_a_causal_lm_not_verified_with_a_nan_loss(tiny_dirs):
+    """Issue 16.7: --seq 1 leaves no next token to predict: the loss was NaN and reported verified."""
+    with pytest.raises(UserError, match="needs --seq 2 or more"):
+        profile(str(tiny_dirs["gpt2"]), seq=1, on="cpu", repeat=1)

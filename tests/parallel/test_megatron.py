@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from fxworkload.extract import extract
+from fxworkload.pipeline import extract
 
 
 def megatron_flops(batch, seq, layers, hidden, vocab) -> float:

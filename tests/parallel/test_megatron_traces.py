@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 
 from fxworkload.capture.trace import FORWARD, INPUT_GRAD
-from fxworkload.extract import extract
+from fxworkload.pipeline import extract
 from fxworkload.capture.models import BUILTIN_DIR
 from fxworkload.parallel.layout import Parallel
 

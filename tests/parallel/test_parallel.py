@@ -7,7 +7,7 @@ import pytest
 
 from fxworkload.capture.trace import FORWARD, INPUT_GRAD, PHASES, WEIGHT_GRAD
 from fxworkload.parallel.collectives import ALLREDUCE, ALLTOALL, volume_bytes
-from fxworkload.extract import extract
+from fxworkload.pipeline import extract
 from fxworkload.parallel.layout import Parallel, stage_layers
 from .test_megatron import _matmul_flops, megatron_flops
 
@@ -25,7 +25,7 @@ def _comms(result, phase, group):
 @pytest.mark.parametrize("model_type", ["gpt2", "llama", "mixtral", "bert"])
 def test_one_rank_units_add_up_to_the_plain_extraction(tiny_dirs, model_type):
     result = extract(str(tiny_dirs[model_type]), batch=2, seq=16)
-    totals = result.workload.totals()
+    totals = result.workload.totals
     units = _units(result)
     assert units[0].name == "embedding" and units[-1].name == "head"
     for phase in PHASES:

@@ -11,7 +11,7 @@ from transformers import CONFIG_MAPPING
 from fxworkload.capture import trace
 from fxworkload.workload import layers
 from fxworkload.capture import models
-from fxworkload.extract import extract
+from fxworkload.pipeline import extract
 from fxworkload.formats.tables import json_text, tsv_text
 
 from ..conftest import tiny_config
@@ -73,7 +73,7 @@ def test_cached_step_is_recosted_without_capturing(deep_dirs, monkeypatch):
     monkeypatch.undo()
     fresh = extract(str(deep_dirs["llama"]), seq=16, device="h100-sxm", use_cache=False)
     assert _texts(again) == _texts(fresh)
-    assert first.workload.totals()["step_estimated_ns"] != again.workload.totals()["step_estimated_ns"]
+    assert first.workload.totals["step_estimated_ns"] != again.workload.totals["step_estimated_ns"]
 
 
 def test_no_cache_neither_reads_nor_writes(tmp_path, monkeypatch):

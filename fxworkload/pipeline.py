@@ -1,7 +1,9 @@
 """The extraction pipeline as one call: model argument in, Workload and its settings out.
 
-A step captured before is read from the graph cache with the model's facts; such a run reads the
-config.json as JSON and never imports transformers or the model's code.
+This is the Python API (``fxworkload.extract``): the result's properties hold the figures, and
+``write`` puts the files the CLI writes into a folder. A step captured before is read from the
+graph cache with the model's facts; such a run reads the config.json as JSON and never imports
+transformers or the model's code.
 """
 
 from __future__ import annotations
@@ -10,8 +12,9 @@ import functools
 import json
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from importlib import metadata
+from pathlib import Path
 
 import torch
 
@@ -25,19 +28,69 @@ from .errors import UserError
 from .parallel.facts import ModelFacts
 from .parallel.layout import Parallel, padded_vocab
 from .parallel.layout import check as check_parallel
+from .parallel.layout import check_sequence, check_values
 from .parallel.rank import RankWorkload, rank_workload
 from .workload import cache as graph_cache
 from .workload.table import Workload, recost
 
 
+FORMATS = ("tables", "simai", "chrome-trace")
+
+
 @dataclass
 class Extraction:
+    """One extracted training step. ``workload``: per-node rows of one micro-batch on one tensor/
+    expert-parallel shard, every layer; ``rank``: the --stage rank's layer-level units and collectives."""
     facts: ModelFacts
-    workload: Workload  # the whole model on one tensor/expert-parallel rank (every layer, all stages)
+    workload: Workload
     device: DeviceProfile
     settings: dict
-    rank: RankWorkload  # the --stage rank's layer-level units and collectives
+    rank: RankWorkload
     model: str = field(default="", repr=False)  # the model argument, for ``spec``
+
+    @property
+    def name(self) -> str:
+        return self.facts.name
+
+    @property
+    def totals(self) -> dict:
+        """Flops, bytes and estimated ns per phase and for the step (one micro-batch, one shard)."""
+        return self.workload.totals
+
+    @property
+    def nodes(self) -> list:
+        """The per-node rows (NodeRow: name, forward/input_grad/weight_grad OpCosts)."""
+        return self.workload.node_rows
+
+    def summary(self, top: int = 10) -> str:
+        """The text ``fxworkload extract`` prints, each figure labelled with what it covers."""
+        from .formats.tables import rank_summary_text, summary_text
+
+        return summary_text(self.workload, self.settings, top=top) + "\n" + rank_summary_text(self.rank)
+
+    def files(self, formats=("tables",)) -> dict[str, str]:
+        """File name -> content of each format: tables (workload.tsv, workload.json), simai
+        (workload.simai.txt), chrome-trace (workload.trace.json)."""
+        from .formats.tables import json_text, tsv_text
+
+        formats = check_formats(formats)
+        files = {}
+        if "tables" in formats:
+            files["workload.tsv"] = tsv_text(self.workload, self.settings["size_unit"])
+            files["workload.json"] = json_text(self.workload, self.settings, asdict(self.device))
+        if "simai" in formats:
+            from .formats import simai
+            files["workload.simai.txt"] = simai.text(simai.from_rank(self.rank))
+        if "chrome-trace" in formats:
+            from .formats.chrome_trace import trace_json
+            files["workload.trace.json"] = trace_json(self.rank, self.device)
+        return files
+
+    def write(self, out: str | Path, formats=("tables",)) -> list[Path]:
+        """Replace the folder ``out`` with these formats' files and a manifest.json; all or none."""
+        from .formats.files import publish
+
+        return publish(Path(out), self.files(formats), self.settings)
 
     @functools.cached_property
     def spec(self):
@@ -51,21 +104,25 @@ class Extraction:
 def extract(model: str, batch: int = 1, seq: int | None = None, dtype: str = "fp32",
             grad_dtype: str | None = None, device: str = "a100-80gb", size_unit: str = "bytes",
             trace_on: str = "auto", use_cache: bool = True, every_layer: bool = False,
-            progress: bool = False, parallel: Parallel | None = None) -> Extraction:
-    """``trace_on`` is whose dispatch the graph follows: ``auto`` (the device profile's: a GPU profile
+            progress: bool = False, parallel: Parallel | None = None, name: str | None = None) -> Extraction:
+    """One training step of ``model`` (a built-in name, checkpoint folder, config.json or cached
+    HuggingFace id), costed on ``device``; ``name`` replaces the model's name in the outputs.
+    ``trace_on`` is whose dispatch the graph follows: ``auto`` (the device profile's: a GPU profile
     records the fused attention kernel that GPU would choose), ``cpu`` or ``cuda`` (no GPU needed);
     ``every_layer`` traces all layers even where one layer could stand for all (see layers.py);
     ``batch`` is the micro-batch of one rank; with tp or ep > 1 the rank's share of the model is traced."""
     grad_dtype = grad_dtype or dtype
     parallel = parallel or Parallel()
     check_settings(batch, seq, dtype, grad_dtype)
+    check_values(parallel)
     profile = load_device(device, say=print_progress if progress else None)
     gpu = trace_target(trace_on, profile)
     traced_on = "cpu" if gpu is None else f"cuda sm{gpu.arch[0]}{gpu.arch[1]} sdpa {'>'.join(gpu.priority)}"
     say = print_progress if progress else (lambda text: None)
 
     start = time.perf_counter()
-    _, config_path, _ = locate(model)
+    located_name, config_path, _ = locate(model)
+    name = check_name(name) if name is not None else located_name
     cache_key = graph_cache.key(_raw_config(config_path), batch, seq, dtype, grad_dtype, traced_on,
                                 shards=(parallel.tp, parallel.ep), vocab_multiple=parallel.vocab_multiple,
                                 every_layer=every_layer)
@@ -79,6 +136,8 @@ def extract(model: str, batch: int = 1, seq: int | None = None, dtype: str = "fp
         say(f"captured {len(workload.ops())} ops in {time.perf_counter() - start:.1f} s")
         if use_cache:
             graph_cache.save(cache_key, graph_cache.CachedStep(workload=workload, seq=seq, facts=facts))
+    facts = replace(facts, name=name)  # the cache is keyed by config: another path may share the step
+    check_sequence(parallel, seq)
     say(f"costing on {profile.name}...")
     workload = recost(workload, profile)
     settings = {"model": facts.name, "model_type": facts.model_type, "task": facts.task,
@@ -90,11 +149,31 @@ def extract(model: str, batch: int = 1, seq: int | None = None, dtype: str = "fp
     return Extraction(facts=facts, workload=workload, device=profile, settings=settings, rank=rank, model=model)
 
 
+def check_formats(formats) -> list[str]:
+    formats = [formats] if isinstance(formats, str) else list(formats)
+    unknown = [str(f) for f in formats if f not in FORMATS]
+    if not formats:
+        raise UserError(f"--format names no format: use one or more of {', '.join(FORMATS)}")
+    if unknown:
+        raise UserError(f"unknown --format {','.join(unknown)!r}: use one or more of {', '.join(FORMATS)}")
+    return formats
+
+
+def check_name(name: str) -> str:
+    """An output name is a name: letters, digits, '.', '_', '-' (it becomes a folder under outputs/)."""
+    import re
+
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}", name or ""):
+        raise UserError(f"--name {name!r} is not a name: use up to 100 letters, digits, '.', '_' or '-', "
+                        "starting with a letter or digit")
+    return name
+
+
 def _raw_config(path) -> dict:
     """config.json as JSON, for the cache key; a file transformers cannot read fails later, on capture."""
     try:
         data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, ValueError):
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
         return {"unreadable": str(path)}
     return data if isinstance(data, dict) else {"not_an_object": str(path)}
 
@@ -112,6 +191,7 @@ def _capture(model, batch, seq, dtype, grad_dtype, gpu, every_layer, say, parall
 
     spec = _with_padded_vocab(models.resolve(model), parallel.vocab_multiple, parallel.tp)
     seq = step_seq(spec, seq)
+    check_sequence(parallel, seq)
     module = models.build_meta_model(spec, DTYPES[dtype])
     facts = model_facts(spec, module)
     check_parallel(parallel, facts)  # before any progress line: a bad layout is the only thing said
@@ -138,11 +218,13 @@ def _with_padded_vocab(spec, vocab_multiple: int, tp: int):
     import copy
     from dataclasses import replace
 
-    vocab = padded_vocab(Parallel(tp=tp, vocab_multiple=vocab_multiple), spec.config.vocab_size)
-    if vocab == spec.config.vocab_size:
+    from .capture.models import setting, text_config
+
+    vocab = setting(spec.config, "vocab_size")
+    if not isinstance(vocab, int) or padded_vocab(Parallel(tp=tp, vocab_multiple=vocab_multiple), vocab) == vocab:
         return spec
     config = copy.deepcopy(spec.config)
-    config.vocab_size = vocab
+    text_config(config).vocab_size = padded_vocab(Parallel(tp=tp, vocab_multiple=vocab_multiple), vocab)
     return replace(spec, config=config)
 
 

@@ -1,0 +1,201 @@
+"""Property-based fuzzing of the whole CLI, in process (``main(argv)``).
+
+Every command gets option values from the whole of each domain and beyond (zero, negative, huge,
+NaN/inf, empty, unicode, newlines, very long, wrong types) and broken, empty, binary or
+contradictory configs, device profiles and measured files. Each example must end either in
+success with finite, non-negative figures in every JSON it wrote, or in a clean error: non-zero
+exit, one line on stderr, no traceback, no internal error, and nothing left in ``--out``.
+
+``make test`` runs a bounded, derandomized budget; ``make fuzz`` runs FXWORKLOAD_FUZZ_EXAMPLES
+(2,000 there) random examples and prints the count.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import math
+import os
+import shutil
+import tempfile
+from collections import Counter
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from fxworkload.cli import main
+from fxworkload.cost import devices
+
+EXAMPLES = int(os.environ.get("FXWORKLOAD_FUZZ_EXAMPLES", "60"))
+FUZZING = "FXWORKLOAD_FUZZ_EXAMPLES" in os.environ
+OUTCOMES: Counter = Counter()
+COMMANDS: Counter = Counter()  # (command, ok or error)
+ERRORS: Counter = Counter()  # the first words of each error line
+
+ODD = ["", " ", "0", "-1", "1e30", "nan", "inf", "-inf", "99999999999999999999", "2.5", "0x10", "x", "é",
+       "a\nb", "\t", "--", "../x", "/dev/null", "a" * 300, "１"]
+SMALL_INTS = ["1", "2", "3", "4", "8", "16"]
+
+
+def _value(usual: list[str]) -> st.SearchStrategy[str]:
+    """A usual value most of the time (so that valid runs are explored too), else anything."""
+    return st.one_of(*[st.sampled_from(usual)] * 9, st.sampled_from(ODD),
+                     st.integers(-2 ** 70, 2 ** 70).map(str), st.text(max_size=12))
+
+
+@pytest.fixture(scope="module")
+def world(tiny_dirs, tmp_path_factory):
+    """The files examples point at: good and broken models, device profiles and measured files."""
+    patch = pytest.MonkeyPatch()  # the session's isolated cache (conftest), set before any test of the module
+    patch.setenv("FXWORKLOAD_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "cache"))
+    root = tmp_path_factory.mktemp("fuzz")
+    models = {"gpt2": str(tiny_dirs["gpt2"]), "llama": str(tiny_dirs["llama"]), "mixtral": str(tiny_dirs["mixtral"])}
+    broken = {
+        "empty": "", "binary": "\x00\xff\xfe garbage", "list": "[1, 2]", "no type": '{"n_layer": 2}',
+        "type list": '{"model_type": ["gpt2"]}', "unknown type": '{"model_type": "no-such-arch"}',
+        "negative layers": '{"model_type": "gpt2", "n_layer": -3}',
+        "contradictory": '{"model_type": "llama", "hidden_size": 64, "num_attention_heads": 5, "num_hidden_layers": 2}',
+        "deep": '{"a": ' * 5000 + "1" + "}" * 5000,
+    }
+    for name, text in broken.items():
+        folder = root / "models" / name.replace(" ", "-")
+        folder.mkdir(parents=True)
+        (folder / "config.json").write_bytes(text.encode("utf-8", "surrogateescape"))
+        models[name] = str(folder)
+    good = devices.load("h100-sxm")
+    for name, changes in {"fuzz-gpu": {}, "fuzz-nan": {"memory_bytes_per_s": float("nan")},
+                          "fuzz-zero": {"vector_flops_per_s": 0.0}, "fuzz-negative": {"kernel_launch_ns": -1.0}}.items():
+        devices.save(replace(good, name=name, **changes), devices.measured_path(name))
+    devices.measured_path("fuzz-corrupt").write_text("{not json")
+    measured = root / "files"
+    measured.mkdir()
+    assert main(["extract", models["gpt2"], "--seq", "8", "--out", str(measured / "est"), "--trace-on", "cpu"]) == 0
+    assert main(["profile", models["gpt2"], "--seq", "8", "--on", "cpu", "--repeat", "1", "--warmup", "0",
+                 "--out", str(measured / "meas")]) == 0
+    document = json.loads((measured / "est" / "workload.json").read_text())
+    mangled = json.loads(json.dumps(document))
+    mangled["rows"][0] = 7
+    nan = json.loads(json.dumps(document))
+    next(r for r in nan["rows"] if r.get("type") == "node")["forward"]["estimated_ns"] = float("nan")
+    for name, text in {"mangled.json": json.dumps(mangled), "nan.json": json.dumps(nan), "empty.json": "",
+                       "list.json": "[]", "binary.json": "\x00\x01"}.items():
+        (measured / name).write_text(text)
+    files = [str(measured / "est"), str(measured / "est" / "workload.json"), str(measured / "est" / "workload.tsv"),
+             str(measured / "meas"), str(measured / "meas" / "measured.json"),
+             *(str(measured / n) for n in ("mangled.json", "nan.json", "empty.json", "list.json", "binary.json")),
+             str(root / "missing.json")]
+    yield {"root": root, "models": models, "files": files}
+    patch.undo()
+
+
+def _extract_args(world) -> st.SearchStrategy[list[str]]:
+    options = {
+        "--batch": _value(SMALL_INTS), "--seq": _value(["8", "16", "1", "2"]),
+        "--dtype": _value(["fp32", "bf16", "fp16"]), "--grad-dtype": _value(["fp32", "bf16"]),
+        "--device": _value(["h100-sxm", "a100-80gb", "h200", "fuzz-gpu", "fuzz-nan", "fuzz-zero", "fuzz-negative",
+                            "fuzz-corrupt"]),
+        "--trace-on": _value(["auto", "cpu", "cuda"]), "--size-unit": _value(["bytes", "elements"]),
+        "--format": _value(["tables", "simai", "chrome-trace", "tables,simai,chrome-trace"]),
+        "--top": _value(["0", "3", "10"]), "--dp": _value(SMALL_INTS), "--tp": _value(SMALL_INTS),
+        "--pp": _value(SMALL_INTS), "--ep": _value(SMALL_INTS), "--micro-batches": _value(SMALL_INTS),
+        "--zero": _value(["0", "1", "2", "3"]), "--bucket-mb": _value(["0", "1", "25"]),
+        "--pp-layers": _value(["1,1", "2,0", "1"]), "--stage": _value(["0", "1"]),
+        "--vocab-multiple": _value(["1", "8", "64"]), "--name": _value(["run", "a.b_c-d"]),
+    }
+    flags = ["--sp", "--every-layer", "--no-cache"]
+    chosen = st.dictionaries(st.sampled_from(sorted(options)), st.just(None), max_size=6).flatmap(
+        lambda keys: st.fixed_dictionaries({k: options[k] for k in keys}))
+    model = st.one_of(st.sampled_from(["gpt2", "llama", "mixtral"]), st.sampled_from(sorted(world["models"])))
+    return st.tuples(model, chosen, st.lists(st.sampled_from(flags), max_size=2)).map(
+        lambda t: [world["models"][t[0]], *[x for k, v in t[1].items() for x in (k, v)], *t[2]])
+
+
+def _argv(world) -> st.SearchStrategy[list[str]]:
+    files = st.sampled_from(world["files"])
+    return st.one_of(
+        _extract_args(world).map(lambda args: ["extract", *args]),
+        st.tuples(st.sampled_from([world["models"][k] for k in ("gpt2", "gpt2", "llama", "llama", "binary", "deep")]),
+                  _value(["1", "2"]), _value(["8", "16", "1", "2"]), _value(["cpu", "cpu", "cuda", "auto"]),
+                  _value(["1", "2"]), _value(["0", "1"])).map(
+            lambda t: ["profile", t[0], "--batch", t[1], "--seq", t[2], "--on", t[3], "--repeat", t[4],
+                       "--warmup", t[5]]),
+        st.tuples(files, files, _value(["0", "5"])).map(lambda t: ["compare", t[0], t[1], "--top", t[2]]),
+        st.tuples(st.sampled_from(world["files"][:3]), st.sampled_from(world["files"][3:5]), _value(["0", "5"])).map(
+            lambda t: ["compare", t[0], t[1], "--top", t[2]]),
+        # calibrate: only input that must be refused (a valid one measures this CPU for 30 s)
+        st.one_of(st.tuples(st.sampled_from(["cuda", "gpu", "", "x\ny"]), _value(["my-gpu"])).map(
+            lambda t: ["calibrate", "--on", t[0], "--name", t[1]]),
+            st.sampled_from(ODD[1:]).map(lambda name: ["calibrate", "--name", name]).filter(
+                lambda a: not devices._NAME.fullmatch(a[2]))),
+        st.just(["models"]), st.just(["devices"]),
+        st.lists(st.sampled_from(["extract", "--out", "x", "-h2", "--nope", "models", "é", ""]), max_size=4),
+    )
+
+
+def _numbers(value):
+    if isinstance(value, bool):
+        return
+    if isinstance(value, (int, float)):
+        yield value
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _numbers(item)
+    elif isinstance(value, list):
+        for item in value:
+            yield from _numbers(item)
+
+
+def test_every_command_line_ends_in_a_result_or_one_clean_line(world):
+    runs = {"count": 0}
+
+    @settings(max_examples=EXAMPLES, deadline=None, database=None, derandomize=not FUZZING,
+              suppress_health_check=list(HealthCheck))
+    @given(argv=_argv(world), with_out=st.booleans())
+    def check(argv, with_out):
+        runs["count"] += 1
+        with tempfile.TemporaryDirectory(dir=world["root"]) as scratch:
+            out = Path(scratch) / "out"
+            if with_out and argv and argv[0] in ("extract", "profile"):
+                argv = [*argv, "--out", str(out)]
+            stdout, stderr = io.StringIO(), io.StringIO()
+            cwd = os.getcwd()
+            os.chdir(scratch)  # a default outputs/ folder lands in the scratch folder
+            try:
+                with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+                    code = main(argv)
+            finally:
+                os.chdir(cwd)
+            err = stderr.getvalue()
+            assert "Traceback" not in err and "internal error" not in err, (argv, err)
+            COMMANDS[(argv[0] if argv else "", "ok" if code == 0 else "error")] += 1
+            if code == 0:
+                OUTCOMES["ok"] += 1
+                for path in Path(scratch).rglob("*.json"):
+                    numbers = list(_numbers(json.loads(path.read_text())))
+                    bad = [n for n in numbers if not math.isfinite(n) or n < 0]
+                    assert bad == [], (argv, path.name, bad[:3])
+                figures = [token for line in stdout.getvalue().splitlines() if "unreadable:" not in line
+                           for token in line.split() if token.strip("+-%,()").lower() in ("nan", "inf")]
+                assert figures == [], (argv, figures)
+            else:
+                OUTCOMES["error"] += 1
+                lines = [line for line in err.splitlines() if line.startswith("fxworkload:")]
+                assert code in (1, 2) and len(lines) == 1, (argv, code, err)
+                ERRORS[" ".join(lines[0].split()[2:5])] += 1
+                assert not out.exists(), (argv, sorted(p.name for p in out.iterdir()))
+                assert not (Path(scratch) / "outputs").exists() or not any((Path(scratch) / "outputs").rglob("*.*"))
+            leftovers = [p.name for p in Path(scratch).iterdir() if p.name.startswith(".")]
+            assert leftovers == [], (argv, leftovers)
+
+    check()
+    if FUZZING:
+        print(f"\nfuzzed {runs['count']} command lines: {OUTCOMES['ok']} succeeded, {OUTCOMES['error']} clean errors, "
+              "0 tracebacks, 0 partial outputs, 0 non-finite figures")
+        print("per command (ok, error):", {c: (COMMANDS[(c, "ok")], COMMANDS[(c, "error")])
+                                            for c in sorted({c for c, _ in COMMANDS})})
+        print("most common errors:", ERRORS.most_common(8))
+    assert runs["count"] >= min(EXAMPLES, 20)
