@@ -43,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
                          help="what to write, comma-separated: tables (workload.tsv, workload.json), "
                               "simai (workload.simai.txt), chrome-trace (workload.trace.json); default tables")
     _add_parallel_arguments(extract)
-    extract.add_argument("--out", type=Path, default=None,
+    extract.add_argument("--out", type=_out_dir, default=None,
                          help="output folder, replaced whole by this run (default outputs/<name>/)")
     extract.add_argument("--name", default=None,
                          help="the model's name in the outputs and the default folder (default: the built-in "
@@ -56,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     profile.add_argument("--on", default="auto", help="where to run: cpu, cuda, or auto = cuda if there is one")
     profile.add_argument("--repeat", type=int, default=5, help="timed runs; each op's median is kept (default 5)")
     profile.add_argument("--warmup", type=int, default=2, help="untimed runs first (default 2)")
-    profile.add_argument("--out", type=Path, default=None,
+    profile.add_argument("--out", type=_out_dir, default=None,
                          help="output folder, replaced whole by this run (default outputs/<model>-measured/)")
     profile.set_defaults(func=run_profile)
 
@@ -79,6 +79,12 @@ def build_parser() -> argparse.ArgumentParser:
     models.set_defaults(func=run_models)
     commands.add_parser("devices", help="list the device profiles").set_defaults(func=run_devices)
     return parser
+
+
+def _out_dir(text: str) -> Path:
+    if not text.strip():
+        raise argparse.ArgumentTypeError("--out is empty; give a folder name, e.g. --out outputs/run1")
+    return Path(text)
 
 
 def _add_step_arguments(parser: argparse.ArgumentParser, model_help: str) -> None:

@@ -118,13 +118,18 @@ def _bad_inputs(tmp_path, tiny_dirs):
         "unknown dtype": ([gpt2, "--dtype", "fp8"], "unknown --dtype"),
         "unwritable out": ([gpt2, "--seq", 8, "--out", blocker / "sub"], "cannot write"),
         "non-integer batch": ([gpt2, "--batch", "two"], "invalid int"),
+        "over-long out": ([gpt2, "--seq", 8, "--out", tmp_path / ("o" * 300)], "longer than the 255 bytes"),
+        "empty out": ([gpt2, "--seq", 8, "--out", ""], "--out is empty"),
+        "negative top": ([gpt2, "--seq", 8, "--top", -1], "--top must be 0 or more, got -1"),
+        "seq 1": ([gpt2, "--seq", 1], "needs --seq 2 or more"),
     }
 
 
 @pytest.mark.parametrize("case", ["unknown model", "folder without config.json", "malformed config.json",
                                   "unsupported architecture", "batch 0", "negative seq",
                                   "seq past the model's positions", "unknown device", "unknown dtype",
-                                  "unwritable out", "non-integer batch"])
+                                  "unwritable out", "non-integer batch", "over-long out", "empty out",
+                                  "negative top", "seq 1"])
 def test_bad_input_gives_one_line_exit_2_and_no_files(case, tmp_path, tiny_dirs):
     args, expected = _bad_inputs(tmp_path, tiny_dirs)[case]
     out = tmp_path / "never"

@@ -17,10 +17,10 @@ import io
 import json
 import math
 import os
-import shutil
+import signal
 import tempfile
 from collections import Counter
-from dataclasses import asdict, replace
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -31,6 +31,7 @@ from fxworkload.cli import main
 from fxworkload.cost import devices
 
 EXAMPLES = int(os.environ.get("FXWORKLOAD_FUZZ_EXAMPLES", "60"))
+HANG_SECONDS = 120  # an example still running after this counts as a hang
 FUZZING = "FXWORKLOAD_FUZZ_EXAMPLES" in os.environ
 OUTCOMES: Counter = Counter()
 COMMANDS: Counter = Counter()  # (command, ok or error)
@@ -136,6 +137,14 @@ def _argv(world) -> st.SearchStrategy[list[str]]:
     )
 
 
+class Hang(BaseException):  # not an Exception: the CLI's last-resort handler must not swallow it
+    pass
+
+
+def _hang(signum, frame):
+    raise Hang(f"still running after {HANG_SECONDS} s")
+
+
 def _numbers(value):
     if isinstance(value, bool):
         return
@@ -164,10 +173,16 @@ def test_every_command_line_ends_in_a_result_or_one_clean_line(world):
             stdout, stderr = io.StringIO(), io.StringIO()
             cwd = os.getcwd()
             os.chdir(scratch)  # a default outputs/ folder lands in the scratch folder
+            previous = signal.signal(signal.SIGALRM, _hang)
+            signal.alarm(HANG_SECONDS)
             try:
                 with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
                     code = main(argv)
+            except Hang as hang:
+                raise AssertionError(f"hang: {argv}: {hang}") from None
             finally:
+                signal.alarm(0)
+                signal.signal(signal.SIGALRM, previous)
                 os.chdir(cwd)
             err = stderr.getvalue()
             assert "Traceback" not in err and "internal error" not in err, (argv, err)

@@ -38,6 +38,10 @@ def check_out_dir(out: Path) -> None:
     existing = out
     while not _exists(existing) and existing != existing.parent:
         existing = existing.parent
+    longest = max(out.parts, key=lambda part: len(os.fsencode(part)), default="")
+    if len(os.fsencode(longest)) > _name_max(existing):
+        raise UserError(f"--out {str(out)[:60]}...: a name in it is longer than the {_name_max(existing)} bytes the "
+                        "file system allows; choose a shorter --out")
     if existing != out:
         if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
             reason = "a file is in the way" if not existing.is_dir() else "not writable"
@@ -217,6 +221,13 @@ def _exists(path: Path) -> bool:
         return path.exists() or path.is_symlink()
     except OSError:
         return False
+
+
+def _name_max(folder: Path) -> int:
+    try:
+        return os.pathconf(folder, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        return 255
 
 
 def _alive(pid: int) -> bool:

@@ -75,20 +75,24 @@ class NodeTimer(torch.fx.Interpreter):
         return result
 
 
+MAX_RUNS = 1000
 # The run holds the weights, the graph run's gradients and eager autograd's (the check): three
-# copies of the parameters, before any activation.
+# copies of the parameters; and at least the logits, their softmax and its gradient per token.
 PARAMETER_COPIES = 3
+LOGIT_COPIES = 3
 
 
-def check_memory(spec, dtype: torch.dtype, device: torch.device) -> None:
-    """Refuse up front a model whose parameters alone would not fit, instead of allocating for
-    half a minute and dying with the allocator's error."""
+def check_memory(spec, dtype: torch.dtype, device: torch.device, tokens: int) -> None:
+    """Refuse up front a step whose parameters and logits alone would not fit, instead of
+    allocating for half a minute and dying with the allocator's error."""
     parameters = models.trainable_parameter_count(models.build_meta_model(spec, dtype))
-    needed_bytes = PARAMETER_COPIES * parameters * dtype.itemsize
+    logits = tokens * (models.setting(spec.config, "vocab_size", 0) or 0)
+    needed_bytes = (PARAMETER_COPIES * parameters + LOGIT_COPIES * logits) * dtype.itemsize
     available_bytes = _available_bytes(device)
     if available_bytes is not None and needed_bytes > available_bytes:
         raise UserError(f"{spec.name} has {parameters:,} parameters: profiling it needs at least "
-                        f"{needed_bytes / 2 ** 30:.1f} GiB ({PARAMETER_COPIES} copies in {str(dtype).removeprefix('torch.')}) "
+                        f"{needed_bytes / 2 ** 30:.1f} GiB (its parameters x {PARAMETER_COPIES} and logits x {LOGIT_COPIES} "
+                        f"in {str(dtype).removeprefix('torch.')}) "
                         f"but {device} has {available_bytes / 2 ** 30:.1f} GiB free; use a smaller model or "
                         "'fxworkload extract', which needs no weight memory")
 
@@ -111,13 +115,15 @@ def profile(model: str, batch: int = 1, seq: int | None = None, dtype: str = "fp
     for name, value, least in (("repeat", repeat, 1), ("warmup", warmup, 0)):
         if value < least:
             raise UserError(f"--{name} must be at least {least}, got {value}")
+        if value > MAX_RUNS:
+            raise UserError(f"--{name} {value:,} exceeds {MAX_RUNS:,} runs: more add nothing to a median")
     device = device_for(on)
     spec = models.resolve(model)
     seq = step_seq(spec, seq)
     say = (lambda text: print(text, file=sys.stderr, flush=True)) if progress else (lambda text: None)
 
     source = "its checkpoint weights" if models.has_weights(spec) else f"random weights (seed {SEED})"
-    check_memory(spec, DTYPES[dtype], device)
+    check_memory(spec, DTYPES[dtype], device, batch * seq)
     module = models.build_real_model(spec, DTYPES[dtype], device, seed=SEED)
     say(f"loaded {spec.name} with {source} on {device} ({dtype})")
     say(f"capturing one training step (batch {batch}, seq {seq})...")

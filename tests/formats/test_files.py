@@ -41,13 +41,18 @@ def test_compare_refuses_a_file_copied_in_from_another_run(tiny_dirs, tmp_path, 
     assert "is not the file the run recorded" in capsys.readouterr().err
 
 
-def test_a_folder_holding_other_files_is_not_replaced(tiny_dirs, tmp_path, capsys):
+@pytest.mark.parametrize("entry", ["notes.txt", "workload.json"])
+def test_a_folder_holding_other_files_is_not_replaced(entry, tiny_dirs, tmp_path, capsys):
+    """Issue 16.1: a folder named workload.json inside --out left a new workload.tsv beside it."""
     out = tmp_path / "mine"
     out.mkdir()
-    (out / "notes.txt").write_text("keep me")
+    if entry == "workload.json":
+        (out / entry).mkdir()
+    else:
+        (out / entry).write_text("keep")
     assert _extract(tiny_dirs, out) == 2
-    assert "holds files fxworkload did not write (notes.txt)" in capsys.readouterr().err
-    assert [p.name for p in out.iterdir()] == ["notes.txt"]
+    assert f"holds files fxworkload did not write ({entry})" in capsys.readouterr().err
+    assert [p.name for p in out.iterdir()] == [entry]
 
 
 def test_a_failed_write_keeps_the_old_output_and_leaves_no_temp(tmp_path):
