@@ -172,12 +172,13 @@ def run_extract(args) -> int:
 
 
 def summary_of(result, parallel, formats: list[str], top: int) -> str:
-    from .formats.tables import rank_summary_text, summary_text
+    from .formats.tables import memory_summary_text, rank_summary_text, summary_text
     from .parallel.layout import Parallel
 
     summary = summary_text(result.workload, result.settings, top=top)
     if parallel != Parallel() or formats != ["tables"]:
         summary += "\n" + rank_summary_text(result.rank)
+    summary += "\n" + memory_summary_text(result.memory, result.device.name)
     if "simai" in formats and parallel.dp == 1:
         summary += ("\nnote: --dp 1: the SimAI file has no gradient all-reduce; pass --dp N for the data-parallel "
                     "collectives of an N-replica run\n")

@@ -29,6 +29,7 @@ from .parallel.facts import ModelFacts
 from .parallel.layout import Parallel, padded_vocab
 from .parallel.layout import check as check_parallel
 from .parallel.layout import check_sequence, check_values
+from .parallel.memory import RankMemory, rank_memory
 from .parallel.rank import RankWorkload, rank_workload
 from .workload import cache as graph_cache
 from .workload.table import Workload, recost
@@ -46,6 +47,7 @@ class Extraction:
     device: DeviceProfile
     settings: dict
     rank: RankWorkload
+    memory: RankMemory  # the --stage rank's memory at its peak, part by part
     model: str = field(default="", repr=False)  # the model argument, for ``spec``
 
     @property
@@ -64,9 +66,10 @@ class Extraction:
 
     def summary(self, top: int = 10) -> str:
         """The text ``fxworkload extract`` prints, each figure labelled with what it covers."""
-        from .formats.tables import rank_summary_text, summary_text
+        from .formats.tables import memory_summary_text, rank_summary_text, summary_text
 
-        return summary_text(self.workload, self.settings, top=top) + "\n" + rank_summary_text(self.rank)
+        return (summary_text(self.workload, self.settings, top=top) + "\n" + rank_summary_text(self.rank) + "\n"
+                + memory_summary_text(self.memory, self.device.name))
 
     def files(self, formats=("tables",)) -> dict[str, str]:
         """File name -> content of each format: tables (workload.tsv, workload.json), simai
@@ -77,7 +80,7 @@ class Extraction:
         files = {}
         if "tables" in formats:
             files["workload.tsv"] = tsv_text(self.workload, self.settings["size_unit"])
-            files["workload.json"] = json_text(self.workload, self.settings, asdict(self.device))
+            files["workload.json"] = json_text(self.workload, self.settings, asdict(self.device), self.memory.as_dict())
         if "simai" in formats:
             from .formats import simai
             files["workload.simai.txt"] = simai.text(simai.from_rank(self.rank))
@@ -146,7 +149,9 @@ def extract(model: str, batch: int = 1, seq: int | None = None, dtype: str = "fp
                 "fxworkload_version": __version__, "torch_version": torch.__version__,
                 "transformers_version": metadata.version("transformers")}
     rank = rank_workload(facts, workload, parallel, batch, seq, dtype, grad_dtype)
-    return Extraction(facts=facts, workload=workload, device=profile, settings=settings, rank=rank, model=model)
+    memory = rank_memory(rank, workload, dtype, grad_dtype, profile.memory_capacity_bytes)
+    return Extraction(facts=facts, workload=workload, device=profile, settings=settings, rank=rank, memory=memory,
+                      model=model)
 
 
 def check_formats(formats) -> list[str]:

@@ -45,9 +45,10 @@ def phase_ns(row: NodeRow, op_ns: Callable[[OpCost], float]) -> tuple[float, ...
     return tuple(sum(map(op_ns, row.ops(phase))) for phase in PHASES)
 
 
-def json_text(workload: Workload, settings: dict, device_profile: dict) -> str:
+def json_text(workload: Workload, settings: dict, device_profile: dict, memory: dict | None = None) -> str:
     unruled = sorted({op.op for op in workload.ops() if not op.has_flop_rule})
     document = {"settings": settings, "device": device_profile, "totals": workload.totals,
+                **({"memory": memory} if memory is not None else {}),
                 "unruled_ops": unruled, "rows": row_documents(workload, "estimated", estimated, op_document)}
     return document_text(document)
 
@@ -91,6 +92,7 @@ def row_documents(workload: Workload, label: str, op_ns: Callable[[OpCost], floa
         times = phase_ns(row, op_ns)
         rows.append({"type": "node", "name": row.name, "module": row.module,
                      **{f"{phase}_{label}_ns": ns for phase, ns in zip(PHASES, times)},
+                     "saved_bytes": row.saved_bytes,
                      "forward": document(row.forward),
                      "input_grad": [document(op) for op in row.input_grad],
                      "weight_grad": [document(op) for op in row.weight_grad]})
@@ -147,11 +149,27 @@ def rank_summary_text(rank) -> str:
              ["units (layer-level rows)", f"{len(units)}"],
              *([f"{phase} estimated ms per micro-batch (this rank's layers)", f"{sum(u.ns(phase) for u in units) / 1e6:.3f}"]
                for phase in PHASES),
-             [f"compute ms per step on this rank ({p.micro_batches} micro-batches; no pipeline bubble or collectives)",
+             [f"compute ms per step on this rank ({p.micro_batches} micro-batch{'es' if p.micro_batches > 1 else ''}; "
+              "no pipeline bubble or collectives)",
               f"{p.micro_batches * sum(u.ns(phase) for u in units for phase in PHASES) / 1e6:.3f}"],
              ["pipeline send bytes", f"{rank.pp_comm_bytes:,}"]]
     lines += [[f"{key} bytes (dp: per step; others: per micro-batch)", f"{value:,}"]
               for key, value in sorted(comm_bytes.items())]
+    return tabulate(lines, tablefmt="simple") + "\n"
+
+
+def memory_summary_text(memory, device_name: str) -> str:
+    """The rank's memory at its peak, part by part, and whether it fits the device."""
+    from ..parallel.memory import describe_fit
+
+    gib = 2 ** 30
+    lines = [["parameters (GiB, this rank, after ZeRO)", f"{memory.parameters_bytes / gib:.3f}"],
+             ["gradients", f"{memory.gradients_bytes / gib:.3f}"],
+             ["optimizer states (Adam)", f"{memory.optimizer_bytes / gib:.3f}"],
+             [f"saved activations ({memory.micro_batches_in_flight} micro-batches in flight)",
+              f"{memory.activations_bytes / gib:.3f}"],
+             ["transient at the step's peak", f"{memory.transient_bytes / gib:.3f}"],
+             ["peak memory per rank", describe_fit(memory, device_name)]]
     return tabulate(lines, tablefmt="simple") + "\n"
 
 

@@ -41,23 +41,32 @@ def fast_workload(spec, model: torch.nn.Module, batch: int, seq: int, dtype: tor
     stack = layer_stack(model, layers)
     if layers <= max(SHORT_LAYERS) or stack is None or not homogeneous(model.get_submodule(stack)):
         return None
-    tables = [_short_table(spec, n, stack, batch, seq, dtype, grad_dtype, gpu, prepare) for n in SHORT_LAYERS]
+    shorts = [_short_workload(spec, n, batch, seq, dtype, grad_dtype, gpu, prepare) for n in SHORT_LAYERS]
+    tables = [_split(short.rows, stack, n) for short, n in zip(shorts, SHORT_LAYERS)]
     if any(table is None for table in tables) or not _consistent(tables, stack):
         return None
     prefix, blocks, suffix = tables[0]
     middle = [row for i in range(1, layers - 1) for row in _renumbered(blocks[1], stack, 1, i)]
     last = _renumbered(blocks[-1], stack, len(blocks) - 1, layers - 1)
-    return Workload.of_rows(prefix + blocks[0] + middle + last + suffix, grad_dtype)
+    return Workload.of_rows(prefix + blocks[0] + middle + last + suffix, grad_dtype,
+                            step_peak_bytes=_extrapolated(shorts, "step_peak_bytes", layers),
+                            activation_peak_bytes=_extrapolated(shorts, "activation_peak_bytes", layers))
 
 
-def _short_table(spec, layers, stack, batch, seq, dtype, grad_dtype, gpu, prepare):
+def _extrapolated(shorts: list[Workload], figure: str, layers: int) -> int:
+    """Identical layers add the same to a peak: it grows by the 5-layer copy's excess per layer."""
+    low, high = (getattr(short, figure) for short in shorts)
+    return low + (layers - SHORT_LAYERS[0]) * (high - low)
+
+
+def _short_workload(spec, layers, batch, seq, dtype, grad_dtype, gpu, prepare) -> Workload:
     from ..capture import models  # transformers: only when capturing
 
     short_spec = models.ModelSpec(name=spec.name, config=_short_config(spec.config, layers), task=spec.task,
                                   folder=spec.folder)
     short_model = prepare(models.build_meta_model(short_spec, dtype))
     capture = capture_training_step(short_model, batch, seq, gpu=gpu)
-    return _split(build(capture, short_model, None, grad_dtype).rows, stack, layers)
+    return build(capture, short_model, None, grad_dtype)
 
 
 def _consistent(tables, stack: str) -> bool:
@@ -156,7 +165,8 @@ def _renumbered(block: list, stack: str, old: int, new: int) -> list:
     return [GradRow(name=name(r.name), module=path(r.module), parameters=[path(p) for p in r.parameters],
                     elements=r.elements, bytes=r.bytes) if isinstance(r, GradRow)
             else NodeRow(name=name(r.name), module=path(r.module), forward=r.forward,
-                         input_grad=r.input_grad, weight_grad=r.weight_grad) for r in block]
+                         input_grad=r.input_grad, weight_grad=r.weight_grad, saved_bytes=r.saved_bytes)
+            for r in block]
 
 
 def _normalized(block: list, stack: str, layer: int) -> list:
@@ -169,6 +179,6 @@ def _normalized(block: list, stack: str, layer: int) -> list:
         if isinstance(row, GradRow):
             keys.append(("grad", row.name, row.module, row.parameters, row.elements, row.bytes))
         else:
-            keys.append(("node", row.name, row.module, op_key(row.forward),
+            keys.append(("node", row.name, row.module, op_key(row.forward), row.saved_bytes,
                          [op_key(op) for op in row.input_grad], [op_key(op) for op in row.weight_grad]))
     return keys

@@ -16,6 +16,7 @@ from ..cost.optime import attention_facts, gpu_op_ns
 from ..cost.roofline import estimate_ns
 from ..cost.traffic import bytes_moved, is_alias
 from ..dtypes import DTYPE_NAMES
+from .memory import activation_memory
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,7 @@ class NodeRow:
     forward: OpCost
     input_grad: list[OpCost] = field(default_factory=list)
     weight_grad: list[OpCost] = field(default_factory=list)
+    saved_bytes: int = 0  # of the storages this node creates, those backward reads (held forward to backward)
 
     def ops(self, phase: str) -> list[OpCost]:
         """This row's ops of one phase: its forward op, or the backward ops autograd ran for it."""
@@ -83,12 +85,21 @@ class Workload:
     rows: list  # NodeRow and GradRow, in table order
     parameter_count: int
     gradient_bytes: int
+    step_peak_bytes: int = 0  # highest activations + temporaries + gradients live in one micro-batch's step
+    activation_peak_bytes: int = 0  # the same without the parameter gradients
 
     @classmethod
-    def of_rows(cls, rows: list, grad_dtype: torch.dtype) -> Workload:
+    def of_rows(cls, rows: list, grad_dtype: torch.dtype, step_peak_bytes: int = 0,
+                activation_peak_bytes: int = 0) -> Workload:
         """The table of these rows; its parameters are those its gradient rows hold."""
         elements = sum(r.elements for r in rows if isinstance(r, GradRow))
-        return cls(rows=rows, parameter_count=elements, gradient_bytes=elements * grad_dtype.itemsize)
+        return cls(rows=rows, parameter_count=elements, gradient_bytes=elements * grad_dtype.itemsize,
+                   step_peak_bytes=step_peak_bytes, activation_peak_bytes=activation_peak_bytes)
+
+    @property
+    def saved_bytes(self) -> int:
+        """Activations one micro-batch holds from its forward until its backward."""
+        return sum(r.saved_bytes for r in self.node_rows)
 
     @property
     def node_rows(self) -> list[NodeRow]:
@@ -123,6 +134,9 @@ class Workload:
         out["step_estimated_ns"] = two_stream_ns([(op.dispatch_ns, op.estimated_ns) for op in ordered])
         out["parameters"] = self.parameter_count
         out["gradient_bytes"] = self.gradient_bytes
+        out["saved_activation_bytes"] = self.saved_bytes
+        out["step_peak_bytes"] = self.step_peak_bytes
+        out["activation_peak_bytes"] = self.activation_peak_bytes
         return out
 
 
@@ -132,7 +146,9 @@ def build(capture: Capture, model: torch.nn.Module, device: DeviceProfile | None
     forward_nodes = [n for n, phase in capture.phase.items() if phase == FORWARD]
     main_ops = _main_ops(forward_nodes, capture.module, costs, model)
     names = _row_names(forward_nodes, capture.module, main_ops)
-    rows = {n: NodeRow(name=names[n], module=capture.module[n], forward=costs[n]) for n in forward_nodes}
+    memory = activation_memory(capture)
+    rows = {n: NodeRow(name=names[n], module=capture.module[n], forward=costs[n],
+                       saved_bytes=memory.saved_bytes.get(n, 0)) for n in forward_nodes}
     _dedupe_names(list(rows.values()))
     for node, owner in capture.owner.items():
         row = rows[owner]
@@ -145,7 +161,8 @@ def build(capture: Capture, model: torch.nn.Module, device: DeviceProfile | None
         table.append(rows[node])
     for leftover in grad_rows.values():  # parameters no forward op of their module reads
         table.extend(leftover)
-    return Workload.of_rows(table, grad_dtype)
+    return Workload.of_rows(table, grad_dtype, step_peak_bytes=memory.step_peak_bytes,
+                            activation_peak_bytes=memory.activation_peak_bytes)
 
 
 def recost(workload: Workload, device: DeviceProfile) -> Workload:
@@ -157,11 +174,10 @@ def recost(workload: Workload, device: DeviceProfile) -> Workload:
             costed[id(op)] = replace(op, estimated_ns=op_estimate_ns(op, device), dispatch_ns=op_dispatch_ns(op, device))
         return costed[id(op)]
 
-    rows = [row if isinstance(row, GradRow) else NodeRow(
-        name=row.name, module=row.module, forward=cost(row.forward),
-        input_grad=[cost(op) for op in row.input_grad], weight_grad=[cost(op) for op in row.weight_grad])
-        for row in workload.rows]
-    return Workload(rows=rows, parameter_count=workload.parameter_count, gradient_bytes=workload.gradient_bytes)
+    rows = [row if isinstance(row, GradRow) else replace(
+        row, forward=cost(row.forward), input_grad=[cost(op) for op in row.input_grad],
+        weight_grad=[cost(op) for op in row.weight_grad]) for row in workload.rows]
+    return replace(workload, rows=rows)
 
 
 def op_estimate_ns(op: OpCost, device: DeviceProfile) -> float:

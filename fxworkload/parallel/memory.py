@@ -1,0 +1,91 @@
+"""Memory of one rank at its peak: model states as ZeRO and TP/PP/EP divide them, and activations.
+
+Model states (Rajbhandari et al. 2020, "ZeRO"): Adam keeps two moments per parameter; under mixed
+precision (a bf16/fp16 step) also an fp32 master copy, so the optimizer holds 12 bytes per
+parameter, 8 in an fp32 step. Parameters take the step dtype's size, gradients the gradient
+dtype's. ZeRO 1 divides the optimizer states over the data-parallel group, 2 the gradients too,
+3 the parameters too; expert parameters are divided over their own data-parallel group (dp / ep).
+
+Activations: a micro-batch holds what its forward saved for backward (read off the joint graph,
+workload/memory.py) until its backward runs. Under 1F1B a stage holds min(pp - stage,
+micro-batches) of them at once (the first stage pp). The transient is what the step adds on top
+of the saved activations at its peak (the loss's logits and the backward's gradients of
+activations), as the captured whole model's step shows it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from ..dtypes import DTYPES
+from .rank import RankWorkload
+from .units import is_expert
+from ..workload.table import Workload
+
+ADAM_BYTES_PER_PARAMETER = {"mixed": 12, "fp32": 8}  # fp32 master copy + two moments; two moments
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    parameters_bytes: int
+    gradients_bytes: int
+    optimizer_bytes: int
+    activations_bytes: int  # saved activations of the micro-batches in flight
+    transient_bytes: int  # the step's peak above its saved activations
+    step_peak_bytes: int  # one micro-batch's forward and backward above the resident states (grads freed)
+    total_peak_bytes: int
+    micro_batches_in_flight: int
+    capacity_bytes: int  # the device's memory; 0 where the profile has none (CPU)
+
+    @property
+    def fits(self) -> bool | None:
+        return None if not self.capacity_bytes else self.total_peak_bytes <= self.capacity_bytes
+
+    def as_dict(self) -> dict:
+        return asdict(self) | {"fits": self.fits}
+
+
+def rank_memory(rank: RankWorkload, workload: Workload, dtype: str, grad_dtype: str,
+                capacity_bytes: int = 0) -> RankMemory:
+    p = rank.parallel
+    units = [u for u in rank.units if u.block != "dp"]
+    expert = sum(g.elements for u in units for g in u.grads if is_expert(g.module))
+    dense = sum(g.elements for u in units for g in u.grads) - expert
+    grad_size = DTYPES[grad_dtype].itemsize
+    in_flight = min(p.pp - p.stage, p.micro_batches)
+    saved = sum(row.saved_bytes for u in units for row in u.rows)
+    transient = max(workload.activation_peak_bytes - workload.saved_bytes, 0)
+    states = model_state_bytes(dense, expert, dtype, grad_dtype, p.zero, p.dp, p.ep)
+    activations = in_flight * saved
+    # with one stage the captured step is this rank's own; a stage adds its share of the same parts
+    step_peak = workload.step_peak_bytes if p.pp == 1 else (
+        saved + transient + sum(g.elements for u in units for g in u.grads) * grad_size)
+    return RankMemory(parameters_bytes=states[0], gradients_bytes=states[1], optimizer_bytes=states[2],
+                      activations_bytes=activations, transient_bytes=transient, step_peak_bytes=step_peak,
+                      total_peak_bytes=sum(states) + activations + transient, micro_batches_in_flight=in_flight,
+                      capacity_bytes=capacity_bytes)
+
+
+def model_state_bytes(dense: int, expert: int, dtype: str, grad_dtype: str, zero: int, dp: int,
+                      ep: int = 1) -> tuple[int, int, int]:
+    """(parameters, gradients, Adam optimizer states) bytes of one rank holding ``dense`` and
+    ``expert`` parameters, as ZeRO ``zero`` divides them over the data-parallel group."""
+    adam = ADAM_BYTES_PER_PARAMETER["fp32" if dtype == "fp32" else "mixed"]
+    dense_dp, expert_dp = dp, max(dp // ep, 1)
+
+    def divided(bytes_per_parameter: int, from_stage: int) -> int:
+        if zero < from_stage:
+            return (dense + expert) * bytes_per_parameter
+        return -(-dense * bytes_per_parameter // dense_dp) + -(-expert * bytes_per_parameter // expert_dp)
+
+    return divided(DTYPES[dtype].itemsize, 3), divided(DTYPES[grad_dtype].itemsize, 2), divided(adam, 1)
+
+
+def describe_fit(memory: RankMemory, device_name: str) -> str:
+    total = memory.total_peak_bytes / 2 ** 30
+    if memory.fits is None:
+        return f"{total:.2f} GiB (device '{device_name}' states no memory capacity)"
+    capacity = memory.capacity_bytes / 2 ** 30
+    if memory.fits:
+        return f"{total:.2f} GiB of {capacity:.1f} GiB: fits, {capacity - total:.2f} GiB free"
+    return f"{total:.2f} GiB of {capacity:.1f} GiB: does NOT fit, {total - capacity:.2f} GiB over"

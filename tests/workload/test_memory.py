@@ -1,0 +1,73 @@
+"""Activation memory read off the joint graph, against torch's own MemTracker (an eager step under
+FakeTensorMode) and Korthikanti et al. 2022's per-layer formulas."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed._tools.mem_tracker import MemTracker
+from transformers import CONFIG_MAPPING, AutoModelForCausalLM
+
+from fxworkload.capture.trace import _unpacked_sequences
+from fxworkload.parallel.layout import Parallel
+from fxworkload.pipeline import extract
+from fxworkload.workload.layers import layer_of
+
+from ..conftest import tiny_config
+
+
+def _memtracker_step_peak(config, batch: int, seq: int) -> int:
+    """MemTracker's peak over an eager step (grads None before it), above the parameters and buffers;
+    without the key/value cache, which a training step does not keep. Over fake tensors transformers
+    cannot see that each row holds one sequence, as it does on real ones, and would build a mask:
+    _unpacked_sequences answers as it does on real tensors."""
+    config.use_cache = False
+    with FakeTensorMode(), _unpacked_sequences():
+        model = AutoModelForCausalLM.from_config(config).train()
+        ids = torch.zeros(batch, seq, dtype=torch.long)
+        tracker = MemTracker()
+        tracker.track_external(model)
+        with tracker:
+            model(ids, labels=ids).loss.backward()
+        peak = next(iter(tracker.get_tracker_snapshot("peak").values()))
+    resident = {str(kind).rsplit(".", 1)[-1]: value for kind, value in peak.items()}
+    return resident["Total"] - resident["PARAM"] - resident["BUFFER"]
+
+
+@pytest.mark.parametrize("model_type, batch, seq, tolerance", [("llama", 4, 64, 0.01), ("gpt2", 2, 16, 0.06), ("gpt2", 4, 64, 0.06)])
+def test_step_peak_matches_memtracker(model_type, batch, seq, tolerance, tiny_dirs):
+    """Llama agrees to 0.02 %. GPT-2's eager peak is 4.5 % (b2 s16) and 5.8 % (b4 s64) higher:
+    eager frees a tensor when its last Python reference goes, which can be after the graph's last
+    read of it; not found which tensors (README: known limits)."""
+    ours = extract(str(tiny_dirs[model_type]), batch=batch, seq=seq, trace_on="cpu").workload.step_peak_bytes
+    oracle = _memtracker_step_peak(tiny_config(model_type), batch, seq)
+    assert abs(ours - oracle) / oracle <= tolerance, (ours, oracle)
+
+
+def test_the_one_layer_fast_path_gives_the_every_layer_peaks(tmp_path):
+    tiny_config("llama", num_hidden_layers=7).save_pretrained(tmp_path)
+    fast = extract(str(tmp_path), batch=2, seq=16, use_cache=False, trace_on="cpu").workload
+    full = extract(str(tmp_path), batch=2, seq=16, use_cache=False, every_layer=True, trace_on="cpu").workload
+    assert (fast.step_peak_bytes, fast.activation_peak_bytes, fast.saved_bytes) == (
+        full.step_peak_bytes, full.activation_peak_bytes, full.saved_bytes)
+
+
+@pytest.mark.parametrize("tp, sbh_bytes_per_layer", [(1, 34), (2, 10 + 24 / 2)])
+def test_a_megatron_shaped_gpt_saves_what_korthikanti_counts(tp, sbh_bytes_per_layer, tmp_path):
+    """Korthikanti et al. 2022: a GPT layer saves sbh(34 + 5as/h) bytes in 16-bit (masks 1 byte);
+    with a fused attention kernel the 5as/h term (scores, softmax, its dropout) is not stored, as
+    with their selective recomputation: sbh·34, and sbh(10 + 24/t) with tensor parallelism t.
+    HF GPT-2 with exact GELU and dropout 0.1 is that layer; traced as an H100 runs it."""
+    hidden, heads, seq, batch = 256, 4, 128, 2
+    CONFIG_MAPPING["gpt2"](n_layer=2, n_embd=hidden, n_head=heads, vocab_size=512, n_positions=256,
+                           activation_function="gelu").save_pretrained(tmp_path)
+    result = extract(str(tmp_path), batch=batch, seq=seq, dtype="bf16", device="h100-sxm", parallel=Parallel(tp=tp))
+    per_layer = collections.Counter()
+    for row in result.workload.node_rows:
+        per_layer[layer_of(row.module, result.facts.stack)] += row.saved_bytes
+    formula = seq * batch * hidden * sbh_bytes_per_layer
+    for layer in (0, 1):
+        assert abs(per_layer[layer] - formula) / formula <= 0.05, (layer, per_layer[layer], formula)
