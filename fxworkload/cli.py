@@ -115,6 +115,11 @@ def _add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--vocab-multiple", type=int, default=1,
                        help="pad the vocabulary to a multiple of this x tp, as Megatron-LM's "
                             "--make-vocab-size-divisible-by (default 1: no padding)")
+    group.add_argument("--recompute", default="none",
+                       help="activation recomputation as Megatron-LM: none (default), selective (the attention "
+                            "core runs again in backward), full (each layer keeps only its input)")
+    group.add_argument("--recompute-layers", type=int, default=None,
+                       help="recompute only the first N layers of each pipeline stage (default: all)")
 
 
 def _parallel(args):
@@ -126,7 +131,8 @@ def _parallel(args):
         raise UserError(f"--pp-layers must be comma-separated integers, got '{args.pp_layers}'") from None
     return Parallel(dp=args.dp, tp=args.tp, pp=args.pp, ep=args.ep, sp=args.sp, micro_batches=args.micro_batches,
                     zero=args.zero, bucket_mb=args.bucket_mb, pp_layers=pp_layers, stage=args.stage,
-                    vocab_multiple=args.vocab_multiple)
+                    vocab_multiple=args.vocab_multiple, recompute=args.recompute,
+                    recompute_layers=args.recompute_layers)
 
 
 def _formats(text: str) -> list[str]:

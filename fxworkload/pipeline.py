@@ -31,6 +31,7 @@ from .parallel.layout import check as check_parallel
 from .parallel.layout import check_sequence, check_values
 from .parallel.memory import RankMemory, rank_memory
 from .parallel.rank import RankWorkload, rank_workload
+from .parallel.recompute import with_recompute
 from .workload import cache as graph_cache
 from .workload.table import Workload, recost
 
@@ -143,13 +144,17 @@ def extract(model: str, batch: int = 1, seq: int | None = None, dtype: str = "fp
     check_sequence(parallel, seq)
     say(f"costing on {profile.name}...")
     workload = recost(workload, profile)
+    captured_saved_bytes = workload.saved_bytes
+    layer_input_bytes = batch * seq * facts.hidden * DTYPES[dtype].itemsize // (parallel.tp if parallel.sp else 1)
+    workload, regenerated_bytes = with_recompute(workload, parallel, facts.stack, facts.layers, layer_input_bytes)
     settings = {"model": facts.name, "model_type": facts.model_type, "task": facts.task,
                 "batch": batch, "seq": seq, "dtype": dtype, "grad_dtype": grad_dtype, "device": profile.name,
                 "traced_on": traced_on, "size_unit": size_unit, "parallel": parallel.as_dict(),
                 "fxworkload_version": __version__, "torch_version": torch.__version__,
                 "transformers_version": metadata.version("transformers")}
     rank = rank_workload(facts, workload, parallel, batch, seq, dtype, grad_dtype)
-    memory = rank_memory(rank, workload, dtype, grad_dtype, profile.memory_capacity_bytes)
+    memory = rank_memory(rank, workload, dtype, grad_dtype, captured_saved_bytes, regenerated_bytes,
+                         profile.memory_capacity_bytes)
     return Extraction(facts=facts, workload=workload, device=profile, settings=settings, rank=rank, memory=memory,
                       model=model)
 

@@ -166,7 +166,8 @@ def memory_summary_text(memory, device_name: str) -> str:
     lines = [["parameters (GiB, this rank, after ZeRO)", f"{memory.parameters_bytes / gib:.3f}"],
              ["gradients", f"{memory.gradients_bytes / gib:.3f}"],
              ["optimizer states (Adam)", f"{memory.optimizer_bytes / gib:.3f}"],
-             [f"saved activations ({memory.micro_batches_in_flight} micro-batches in flight)",
+             [f"saved activations ({memory.micro_batches_in_flight} micro-batch"
+              f"{'es' if memory.micro_batches_in_flight > 1 else ''} in flight)",
               f"{memory.activations_bytes / gib:.3f}"],
              ["transient at the step's peak", f"{memory.transient_bytes / gib:.3f}"],
              ["peak memory per rank", describe_fit(memory, device_name)]]
@@ -191,6 +192,7 @@ def measured_totals(measurement) -> dict:
     totals = {f"{phase}_measured_ns": sum(map(measurement.op_ns, measurement.workload.ops(phase))) for phase in PHASES}
     totals["step_measured_ns"] = sum(totals.values())
     totals["eager_step_ns"] = measurement.eager_step_ns
+    totals["step_peak_bytes"] = measurement.step_peak_bytes  # null on a CPU
     return totals
 
 

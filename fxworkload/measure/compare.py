@@ -54,6 +54,7 @@ class Comparison:
     eager_step_ns: float | None
     estimated_settings: dict
     measured_settings: dict
+    step_peak_bytes: tuple[int | None, int | None] = (None, None)  # estimated, measured (GPU runs only)
 
 
 def load_document(path: Path, expected_name: str) -> dict:
@@ -156,6 +157,8 @@ def compare(estimated: dict, measured: dict) -> Comparison:
         estimated_ns={p: sum(r[f"{p}_estimated_ns"] for r in estimated_rows) for p in PHASES},
         measured_ns={p: sum(r[f"{p}_measured_ns"] for r in measured_rows) for p in PHASES},
         eager_step_ns=measured.get("totals", {}).get("eager_step_ns"),
+        step_peak_bytes=(estimated.get("totals", {}).get("step_peak_bytes"),
+                         measured.get("totals", {}).get("step_peak_bytes")),
         estimated_settings=estimated.get("settings", {}), measured_settings=measured.get("settings", {}))
 
 
@@ -245,6 +248,11 @@ def report_text(comparison: Comparison, top: int = 15) -> str:
     notes = [f"time-weighted error over {len(comparison.pairs)} paired ops: {_pct(time_weighted_error(comparison))}"]
     if comparison.eager_step_ns:
         notes.append(f"measured eager step (wall, for reference): {comparison.eager_step_ns / 1e6:.3f} ms")
+    estimated_peak, measured_peak = comparison.step_peak_bytes
+    if isinstance(estimated_peak, int) and isinstance(measured_peak, int) and measured_peak > 0:
+        notes.append(f"step peak memory: estimated {estimated_peak / 2 ** 20:.1f} MiB, measured "
+                     f"{measured_peak / 2 ** 20:.1f} MiB (max_memory_allocated), "
+                     f"{_pct(relative_error(estimated_peak, measured_peak), True)}")
     if comparison.unpaired_ops:
         notes.append(f"{comparison.unpaired_ops} ops on one side only (another kernel variant); in the totals only")
     kinds = [[k["kind"], k["count"], f"{k['estimated_ns'] / 1e6:.3f}", f"{k['measured_ns'] / 1e6:.3f}",

@@ -52,6 +52,7 @@ class Measurement:
     verification: dict
     eager_step_ns: float  # median wall time of a plain eager training step, for reference
     settings: dict
+    step_peak_bytes: int | None = None  # max_memory_allocated over an eager step (GPU only)
 
     def op_ns(self, op) -> float:
         return self.timings[op.fx_name].median_ns
@@ -142,6 +143,7 @@ def profile(model: str, batch: int = 1, seq: int | None = None, dtype: str = "fp
     say(f"timing every op: {warmup} warm-up and {repeat} timed runs...")
     timings = time_ops(capture.graph_module, (values, input_ids), clock, repeat, warmup)
     eager_step_ns = clock.median_ns(lambda: _eager_step(module, input_ids), repeat=repeat, warmup=1)
+    step_peak_bytes = measured_step_peak_bytes(module, input_ids, device)
     settings = {"model": spec.name, "model_type": spec.config.model_type, "task": spec.task, "batch": batch,
                 "seq": seq, "dtype": dtype, "weights": source, "device": describe(device),
                 "timer": "CUDA events" if clock.cuda else "time.perf_counter_ns",
@@ -149,7 +151,22 @@ def profile(model: str, batch: int = 1, seq: int | None = None, dtype: str = "fp
                 "fxworkload_version": __version__, "torch_version": torch.__version__,
                 "transformers_version": transformers.__version__}
     return Measurement(spec=spec, workload=workload, timings=timings, verification=verification,
-                       eager_step_ns=eager_step_ns, settings=settings)
+                       eager_step_ns=eager_step_ns, settings=settings, step_peak_bytes=step_peak_bytes)
+
+
+def measured_step_peak_bytes(module, input_ids, device: torch.device) -> int | None:
+    """On a GPU, ``max_memory_allocated`` over one eager step with the gradients freed before it,
+    above what was allocated at its start (the comparison for the estimate's step_peak_bytes);
+    None on a CPU, where torch keeps no such counter."""
+    if device.type != "cuda":
+        return None
+    module.zero_grad(set_to_none=True)
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    start = torch.cuda.memory_allocated(device)
+    module(input_ids, labels=input_ids).loss.backward()
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - start
 
 
 def time_ops(graph_module, inputs, clock: Clock, repeat: int, warmup: int) -> dict[str, OpTiming]:

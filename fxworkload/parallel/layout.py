@@ -20,6 +20,8 @@ class Parallel:
     pp_layers: tuple[int, ...] | None = None  # layers per stage; None = balanced
     stage: int = 0  # the pipeline stage whose rank the SimAI file describes
     vocab_multiple: int = 1  # pad the vocabulary to a multiple of this x tp (Megatron's --make-vocab-size-divisible-by)
+    recompute: str = "none"  # activation recomputation: none, selective (attention core) or full (whole layers)
+    recompute_layers: int | None = None  # recompute the first N layers of each stage; None = all
 
     @property
     def world(self) -> int:
@@ -30,6 +32,8 @@ class Parallel:
         out["pp_layers"] = list(self.pp_layers) if self.pp_layers else None
         return out | {"world": self.world}
 
+
+RECOMPUTE_MODES = ("none", "selective", "full")
 
 # Beyond any real run (the largest trainings so far use about 10^5 GPUs and 10^3 micro-batches):
 # a figure past these is a typo, and would make outputs of absurd size.
@@ -59,6 +63,12 @@ def check_values(parallel: Parallel) -> None:
     if not isinstance(p.bucket_mb, (int, float)) or not 0 <= p.bucket_mb <= MAX_BUCKET_MB:  # NaN fails too
         raise UserError(f"--bucket-mb must be 0 (one collective per parameter group) or a size up to "
                         f"{MAX_BUCKET_MB:,} MiB, got {p.bucket_mb}")
+    if p.recompute not in RECOMPUTE_MODES:
+        raise UserError(f"unknown --recompute {p.recompute!r}: use none, selective or full")
+    if p.recompute_layers is not None and p.recompute == "none":
+        raise UserError("--recompute-layers needs --recompute selective or full")
+    if p.recompute_layers is not None and (not isinstance(p.recompute_layers, int) or p.recompute_layers < 1):
+        raise UserError(f"--recompute-layers must be a positive integer, got {p.recompute_layers}")
     if p.pp_layers is not None and (len(p.pp_layers) != p.pp or min(p.pp_layers) < 1):
         raise UserError(f"--pp-layers {','.join(map(str, p.pp_layers))} must give {p.pp} counts (one per --pp "
                         "stage), each at least 1")
@@ -91,7 +101,11 @@ def check(parallel: Parallel, facts) -> None:
         raise UserError(f"--ep {p.ep} needs a mixture-of-experts model; {facts.model_type} has no experts")
     if experts and experts % p.ep:
         raise UserError(f"--ep {p.ep} does not divide the model's {experts} experts; choose an --ep that divides it")
-    stage_layers(p, facts.layers)
+    stages = stage_layers(p, facts.layers)
+    fewest = min(len(stage) for stage in stages)
+    if p.recompute_layers is not None and p.recompute_layers > fewest:
+        raise UserError(f"--recompute-layers {p.recompute_layers} exceeds the {fewest} layers of the smallest "
+                        "pipeline stage; choose 1 to " + str(fewest))
 
 
 def padded_vocab(parallel: Parallel, vocab: int) -> int:

@@ -45,8 +45,11 @@ class RankMemory:
         return asdict(self) | {"fits": self.fits}
 
 
-def rank_memory(rank: RankWorkload, workload: Workload, dtype: str, grad_dtype: str,
-                capacity_bytes: int = 0) -> RankMemory:
+def rank_memory(rank: RankWorkload, workload: Workload, dtype: str, grad_dtype: str, captured_saved_bytes: int,
+                regenerated_bytes: int = 0, capacity_bytes: int = 0) -> RankMemory:
+    """``workload`` as the step runs (recomputation applied); ``captured_saved_bytes`` what the
+    captured step saved before recomputation; ``regenerated_bytes`` what one layer's recomputed
+    forward re-creates in backward."""
     p = rank.parallel
     units = [u for u in rank.units if u.block != "dp"]
     expert = sum(g.elements for u in units for g in u.grads if is_expert(g.module))
@@ -54,11 +57,13 @@ def rank_memory(rank: RankWorkload, workload: Workload, dtype: str, grad_dtype: 
     grad_size = DTYPES[grad_dtype].itemsize
     in_flight = min(p.pp - p.stage, p.micro_batches)
     saved = sum(row.saved_bytes for u in units for row in u.rows)
-    transient = max(workload.activation_peak_bytes - workload.saved_bytes, 0)
+    dropped = captured_saved_bytes - workload.saved_bytes  # saves that recomputation gave up
+    transient = max(workload.activation_peak_bytes - captured_saved_bytes, 0) + regenerated_bytes
     states = model_state_bytes(dense, expert, dtype, grad_dtype, p.zero, p.dp, p.ep)
     activations = in_flight * saved
-    # with one stage the captured step is this rank's own; a stage adds its share of the same parts
-    step_peak = workload.step_peak_bytes if p.pp == 1 else (
+    # one stage: the captured step is this rank's own, less what recomputation gives up; a stage of
+    # several: its parts, added
+    step_peak = workload.step_peak_bytes - dropped + regenerated_bytes if p.pp == 1 else (
         saved + transient + sum(g.elements for u in units for g in u.grads) * grad_size)
     return RankMemory(parameters_bytes=states[0], gradients_bytes=states[1], optimizer_bytes=states[2],
                       activations_bytes=activations, transient_bytes=transient, step_peak_bytes=step_peak,

@@ -236,3 +236,18 @@ def test_seq_1_is_refused_for_a_causal_lm_not_verified_with_a_nan_loss(tiny_dirs
     """Issue 16.7: --seq 1 leaves no next token to predict: the loss was NaN and reported verified."""
     with pytest.raises(UserError, match="needs --seq 2 or more"):
         profile(str(tiny_dirs["gpt2"]), seq=1, on="cpu", repeat=1)
+
+
+def test_a_measured_step_peak_is_set_beside_the_estimate(tiny_dirs, measured_gpt2):
+    """A CPU profile measures no peak (null); a GPU's measured.json carries max_memory_allocated,
+    which compare reports against the estimate (here a GPU figure written by hand: 2 MiB)."""
+    from fxworkload.measure.compare import report_text
+
+    estimated, measured = _documents(tiny_dirs, measured_gpt2)
+    assert measured["totals"]["step_peak_bytes"] is None
+    assert "step peak memory" not in report_text(compare(estimated, measured))
+    measured["totals"]["step_peak_bytes"] = 2 * 2 ** 20
+    ours = estimated["totals"]["step_peak_bytes"]
+    line = next(x for x in report_text(compare(estimated, measured)).splitlines() if x.startswith("step peak memory"))
+    assert line == (f"step peak memory: estimated {ours / 2 ** 20:.1f} MiB, measured 2.0 MiB (max_memory_allocated), "
+                    f"{100 * (ours - 2 * 2 ** 20) / (2 * 2 ** 20):+.1f}%")

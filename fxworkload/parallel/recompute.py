@@ -1,0 +1,62 @@
+"""Activation recomputation with Megatron-LM's meanings (``--recompute-granularity``).
+
+- ``selective``: the attention core (the ops of a scaled-dot-product attention: a fused kernel, or
+  the math path's matmuls, softmax and dropout) is run again in backward; what it saved is dropped.
+- ``full``: each recomputed layer keeps only its input (batch x seq x hidden, 1/tp of it with
+  sequence parallelism); its whole forward runs again in backward.
+
+``--recompute-layers N`` recomputes the first N layers of each pipeline stage (Megatron's
+``--recompute-num-layers`` with the block method); by default every layer. A recomputed op is a
+copy of its forward op at the head of the row's input-gradient ops, so its time shows in every
+output: the tables' backward time, the SimAI file and the trace.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from ..capture.trace import INPUT_GRAD
+from ..workload.layers import layer_of
+from ..workload.table import NodeRow, OpCost, Workload
+from .layout import Parallel, stage_layers
+
+
+def recomputed_layers(parallel: Parallel, layers: int) -> set[int]:
+    if parallel.recompute == "none":
+        return set()
+    count = parallel.recompute_layers
+    return {layer for stage in stage_layers(parallel, layers) for layer in list(stage)[:count]}
+
+
+def with_recompute(workload: Workload, parallel: Parallel, stack: str | None, layers: int,
+                   layer_input_bytes: int) -> tuple[Workload, int]:
+    """The table as the recomputing step runs it: recomputed forward ops added to backward, and
+    the saved bytes of what is recomputed dropped (a full layer keeps its input); and the bytes
+    one layer's recomputation re-creates in backward (its dropped saves), a transient of the step."""
+    chosen = recomputed_layers(parallel, layers)
+    if not chosen:
+        return workload, 0
+    copies: dict[int, OpCost] = {}  # one copy per op object: layers that share ops share their copies
+
+    def again(op: OpCost) -> OpCost:
+        if id(op) not in copies:
+            copies[id(op)] = replace(op, phase=INPUT_GRAD)
+        return copies[id(op)]
+
+    rows, seen_layers, dropped = [], set(), {}
+    for row in workload.rows:
+        layer = layer_of(row.module, stack) if isinstance(row, NodeRow) else None
+        if layer not in chosen:
+            rows.append(row)
+            continue
+        recomputed = parallel.recompute == "full" or row.forward.sdpa_backend is not None
+        if not recomputed:
+            rows.append(row)
+            continue
+        saved = 0
+        if parallel.recompute == "full" and layer not in seen_layers:
+            saved = layer_input_bytes  # the layer's first row carries its kept input
+            seen_layers.add(layer)
+        dropped[layer] = dropped.get(layer, 0) + row.saved_bytes
+        rows.append(replace(row, input_grad=[again(row.forward), *row.input_grad], saved_bytes=saved))
+    return replace(workload, rows=rows), max(dropped.values(), default=0)

@@ -1,0 +1,77 @@
+"""--recompute with Megatron-LM's meanings: what each mode saves, and the forward time it adds to
+backward in every output."""
+
+from __future__ import annotations
+
+import pytest
+
+from fxworkload.capture.trace import FORWARD, INPUT_GRAD
+from fxworkload.cli import main
+from fxworkload.formats import simai
+from fxworkload.parallel.layout import Parallel
+from fxworkload.pipeline import extract
+from fxworkload.workload.layers import layer_of
+
+from ..conftest import tiny_config
+
+BATCH, SEQ, HIDDEN = 2, 16, 64
+
+
+@pytest.fixture(scope="module")
+def four_layers(tmp_path_factory):
+    path = tmp_path_factory.mktemp("llama4")
+    tiny_config("llama", num_hidden_layers=4).save_pretrained(path)
+    return str(path)
+
+
+def _run(model, **parallel):
+    return extract(model, batch=BATCH, seq=SEQ, dtype="bf16", device="h100-sxm", parallel=Parallel(**parallel))
+
+
+def _layer_rows(result, layers):
+    return [r for r in result.workload.node_rows if layer_of(r.module, result.facts.stack) in layers]
+
+
+def test_full_keeps_each_layers_input_and_runs_its_forward_again(four_layers):
+    plain, full = _run(four_layers), _run(four_layers, recompute="full")
+    for layer in range(4):
+        assert sum(r.saved_bytes for r in _layer_rows(full, {layer})) == BATCH * SEQ * HIDDEN * 2  # bf16 input
+    forward_ns = sum(r.forward.estimated_ns for r in _layer_rows(plain, set(range(4))))
+    added_ns = full.totals[f"{INPUT_GRAD}_estimated_ns"] - plain.totals[f"{INPUT_GRAD}_estimated_ns"]
+    assert added_ns == pytest.approx(forward_ns, rel=1e-9) and forward_ns > 0
+    assert full.memory.activations_bytes < plain.memory.activations_bytes
+    assert full.totals[f"{FORWARD}_estimated_ns"] == plain.totals[f"{FORWARD}_estimated_ns"]
+
+
+def test_selective_runs_only_the_attention_core_again(four_layers):
+    plain, selective = _run(four_layers), _run(four_layers, recompute="selective")
+    core = [r for r in plain.workload.node_rows if r.forward.sdpa_backend is not None]
+    kernels = [r.forward.kind for r in core if r.forward.kind != "view"]
+    assert kernels == ["attention"] * 4  # one fused cuDNN kernel per layer on an H100, and its views
+    added_ns = selective.totals[f"{INPUT_GRAD}_estimated_ns"] - plain.totals[f"{INPUT_GRAD}_estimated_ns"]
+    assert added_ns == pytest.approx(sum(r.forward.estimated_ns for r in core), rel=1e-9)
+    assert selective.workload.saved_bytes == plain.workload.saved_bytes - sum(r.saved_bytes for r in core)
+
+
+def test_recompute_layers_takes_the_first_of_each_stage_and_shows_in_the_simai_file(four_layers):
+    plain = _run(four_layers, pp=2, stage=1, dp=2)
+    some = _run(four_layers, pp=2, stage=1, dp=2, recompute="full", recompute_layers=1)
+    changed = {layer_of(a.module, plain.facts.stack) for a, b in zip(plain.workload.node_rows, some.workload.node_rows)
+               if len(a.input_grad) != len(b.input_grad)}
+    assert changed == {0, 2}  # the first layer of stage 0 (layers 0-1) and of stage 1 (layers 2-3)
+    rows = {layer: _layer_rows(plain, {layer}) for layer in (2, 3)}
+    added = sum(round(r.forward.estimated_ns) for r in rows[2])
+    before = sum(r.input_grad_ns for r in simai.from_rank(plain.rank).rows)
+    after = sum(r.input_grad_ns for r in simai.from_rank(some.rank).rows)
+    assert after - before == pytest.approx(added, abs=len(rows[2]) + 2)  # rounding to whole ns per unit
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--recompute", "some"], "unknown --recompute 'some': use none, selective or full"),
+    (["--recompute-layers", "1"], "--recompute-layers needs --recompute selective or full"),
+    (["--recompute", "full", "--pp", "2", "--recompute-layers", "3"],
+     "--recompute-layers 3 exceeds the 2 layers of the smallest pipeline stage"),
+])
+def test_impossible_recompute_settings_are_one_line(args, message, four_layers, tmp_path, capsys):
+    assert main(["extract", four_layers, "--seq", "16", *args, "--out", str(tmp_path / "o")]) == 2
+    assert message in capsys.readouterr().err and not (tmp_path / "o").exists()
