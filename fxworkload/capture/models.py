@@ -89,9 +89,11 @@ def check_sizes(config: PretrainedConfig, config_path: Path) -> None:
         value = setting(config, name)
         if value is None or (name == "max_position_embeddings" and value == -1):
             continue
-        if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= limit:
-            raise UserError(f"{config_path}: {name} = {value!r} is not a model size (a whole number from 1 to "
-                            f"{limit:,}); fix the file")
+        for size in value if isinstance(value, (list, tuple)) and value else [value]:  # per-layer sizes too
+            if not isinstance(size, int) or isinstance(size, bool) or not 1 <= size <= limit:
+                shown = repr(value) if len(repr(value)) <= 40 else f"{repr(size)} (in a per-layer list)"
+                raise UserError(f"{config_path}: {name} = {shown} is not a model size (a whole number from 1 "
+                                f"to {limit:,}); fix the file")
 
 
 def task_of(config: PretrainedConfig) -> str:

@@ -42,3 +42,15 @@ def test_extracts_and_every_parameter_gets_one_gradient(model_type, tmp_path):
     assert result.workload.totals["parameters"] == sum(p.numel() for p in module.parameters() if p.requires_grad)
     if model_type == "mamba":
         assert result.facts.heads == 0  # no attention: the parallel checks have no heads to divide
+
+
+def test_per_layer_sizes_are_checked_element_by_element(tmp_path):
+    """Gemma 3n keeps intermediate_size per layer: a list of sizes is a size too (each checked)."""
+    from fxworkload.errors import UserError
+
+    config = CONFIG_MAPPING["gemma3n_text"]()
+    assert isinstance(config.intermediate_size, list)
+    models.check_sizes(config, tmp_path / "config.json")  # no error
+    config.intermediate_size = [*config.intermediate_size[:-1], 0]
+    with pytest.raises(UserError, match=r"intermediate_size = 0 \(in a per-layer list\) is not a model size"):
+        models.check_sizes(config, tmp_path / "config.json")
