@@ -106,6 +106,7 @@ def _extract_args(world) -> st.SearchStrategy[list[str]]:
         "--zero": _value(["0", "1", "2", "3"]), "--bucket-mb": _value(["0", "1", "25"]),
         "--pp-layers": _value(["1,1", "2,0", "1"]), "--stage": _value(["0", "1"]),
         "--vocab-multiple": _value(["1", "8", "64"]), "--name": _value(["run", "a.b_c-d"]),
+        "--recompute": _value(["none", "selective", "full"]), "--recompute-layers": _value(["1", "2"]),
     }
     flags = ["--sp", "--every-layer", "--no-cache"]
     chosen = st.dictionaries(st.sampled_from(sorted(options)), st.just(None), max_size=6).flatmap(
