@@ -156,13 +156,11 @@ def _quiet_transformers() -> None:
 
 
 def run_extract(args) -> int:
-    from .parallel.layout import Parallel
-    from .pipeline import check_formats, check_name, extract
+    from .pipeline import check_formats, extract
 
     formats = check_formats(_formats(args.format))
     _check_top(args.top)
     parallel = _parallel(args)
-    name = check_name(args.name) if args.name is not None else None
     _check_out(args)
     _quiet_transformers()
     if "chrome-trace" in formats:
@@ -172,23 +170,9 @@ def run_extract(args) -> int:
     result = extract(args.model, batch=args.batch, seq=args.seq, dtype=args.dtype, grad_dtype=args.grad_dtype,
                      device=args.device, size_unit=args.size_unit, trace_on=args.trace_on,
                      use_cache=not args.no_cache, every_layer=args.every_layer, progress=True, parallel=parallel,
-                     name=name)
-    summary = summary_of(result, parallel, formats, args.top)
+                     name=args.name)
+    summary = result.summary(args.top, formats)
     return _publish(args.out or Path("outputs") / result.name, summary, result.files(formats), result.settings)
-
-
-def summary_of(result, parallel, formats: list[str], top: int) -> str:
-    from .formats.tables import memory_summary_text, rank_summary_text, summary_text
-    from .parallel.layout import Parallel
-
-    summary = summary_text(result.workload, result.settings, top=top)
-    if parallel != Parallel() or formats != ["tables"]:
-        summary += "\n" + rank_summary_text(result.rank)
-    summary += "\n" + memory_summary_text(result.memory, result.device.name)
-    if "simai" in formats and parallel.dp == 1:
-        summary += ("\nnote: --dp 1: the SimAI file has no gradient all-reduce; pass --dp N for the data-parallel "
-                    "collectives of an N-replica run\n")
-    return summary
 
 
 def run_profile(args) -> int:

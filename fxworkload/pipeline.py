@@ -25,6 +25,7 @@ from .cost import devices
 from .cost.devices import DeviceProfile
 from .dtypes import DTYPES, check_settings
 from .errors import UserError
+from .names import check_name
 from .parallel.facts import ModelFacts
 from .parallel.layout import Parallel, padded_vocab
 from .parallel.layout import check as check_parallel
@@ -65,12 +66,21 @@ class Extraction:
         """The per-node rows (NodeRow: name, forward/input_grad/weight_grad OpCosts)."""
         return self.workload.node_rows
 
-    def summary(self, top: int = 10) -> str:
-        """The text ``fxworkload extract`` prints, each figure labelled with what it covers."""
+    def summary(self, top: int = 10, formats=None) -> str:
+        """The text ``fxworkload extract`` prints, each figure labelled with what it covers. Given
+        the formats written, the rank's view is left out of a plain single-GPU tables run, and a
+        SimAI file without data parallelism gets a note."""
         from .formats.tables import memory_summary_text, rank_summary_text, summary_text
 
-        return (summary_text(self.workload, self.settings, top=top) + "\n" + rank_summary_text(self.rank) + "\n"
-                + memory_summary_text(self.memory, self.device.name))
+        parallel = self.rank.parallel
+        text = summary_text(self.workload, self.settings, top=top)
+        if formats is None or parallel != Parallel() or list(formats) != ["tables"]:
+            text += "\n" + rank_summary_text(self.rank)
+        text += "\n" + memory_summary_text(self.memory, self.device.name)
+        if formats is not None and "simai" in formats and parallel.dp == 1:
+            text += ("\nnote: --dp 1: the SimAI file has no gradient all-reduce; pass --dp N for the data-parallel "
+                     "collectives of an N-replica run\n")
+        return text
 
     def files(self, formats=("tables",)) -> dict[str, str]:
         """File name -> content of each format: tables (workload.tsv, workload.json), simai
@@ -119,6 +129,8 @@ def extract(model: str, batch: int = 1, seq: int | None = None, dtype: str = "fp
     parallel = parallel or Parallel()
     check_settings(batch, seq, dtype, grad_dtype)
     check_values(parallel)
+    if name is not None:
+        check_name(name, "--name")
     profile = load_device(device, say=print_progress if progress else None)
     gpu = trace_target(trace_on, profile)
     traced_on = "cpu" if gpu is None else f"cuda sm{gpu.arch[0]}{gpu.arch[1]} sdpa {'>'.join(gpu.priority)}"
@@ -126,7 +138,7 @@ def extract(model: str, batch: int = 1, seq: int | None = None, dtype: str = "fp
 
     start = time.perf_counter()
     located_name, config_path, _ = locate(model)
-    name = check_name(name) if name is not None else located_name
+    name = located_name if name is None else name
     cache_key = graph_cache.key(_raw_config(config_path), batch, seq, dtype, grad_dtype, traced_on,
                                 shards=(parallel.tp, parallel.ep), vocab_multiple=parallel.vocab_multiple,
                                 every_layer=every_layer)
@@ -167,16 +179,6 @@ def check_formats(formats) -> list[str]:
     if unknown:
         raise UserError(f"unknown --format {','.join(unknown)!r}: use one or more of {', '.join(FORMATS)}")
     return formats
-
-
-def check_name(name: str) -> str:
-    """An output name is a name: letters, digits, '.', '_', '-' (it becomes a folder under outputs/)."""
-    import re
-
-    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}", name or ""):
-        raise UserError(f"--name {name!r} is not a name: use up to 100 letters, digits, '.', '_' or '-', "
-                        "starting with a letter or digit")
-    return name
 
 
 def _raw_config(path) -> dict:

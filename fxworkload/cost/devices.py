@@ -11,11 +11,11 @@ import functools
 import json
 import math
 import os
-import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..errors import UserError
+from ..names import NAME, check_name as check_a_name
 from .gpu import GpuFacts, GpuModel
 
 DATA_DIR = Path(__file__).resolve().parent / "device_profiles"
@@ -95,15 +95,12 @@ def measured_cpu_paths() -> list[Path]:
     return sorted((cache_dir() / "devices").glob("cpu-torch*-threads*.json"))
 
 
-_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
+_NAME = NAME
 
 
 def check_name(name: str, option: str = "--device") -> str:
     """A profile name is a name (letters, digits, '.', '_', '-'), never a path."""
-    if not _NAME.fullmatch(name or ""):
-        raise UserError(f"{option} {name!r} is not a device profile name: use up to 100 letters, digits, '.', "
-                        "'_' or '-' (see 'fxworkload devices')")
-    return name
+    return check_a_name(name, option, "device profile name")
 
 
 def load(name: str) -> DeviceProfile:
