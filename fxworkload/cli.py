@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import warnings
 from pathlib import Path
@@ -62,15 +63,30 @@ def build_parser() -> argparse.ArgumentParser:
 
     compare = commands.add_parser("compare", help="compare estimated and measured op times")
     compare.add_argument("estimated", type=Path, help="workload.json, or the folder holding it")
-    compare.add_argument("measured", type=Path, help="measured.json, or the folder holding it")
+    compare.add_argument("measured", type=Path,
+                         help="measured.json (or its folder), a torch.profiler trace (.json, .json.gz) "
+                              "or a Megatron timing log")
+    compare.add_argument("--measured-format", default="auto",
+                         help="auto (default: told from the file's content), measured, torch-profiler or megatron")
+    compare.add_argument("--rank", type=int, default=None,
+                         help="the rank of a Megatron log to compare (default the first it holds)")
     compare.add_argument("--top", type=int, default=15, help="ops listed, longest measured first (default 15; 0 = all)")
     compare.add_argument("--plot", type=Path, default=None, help="draw estimated vs measured per op into this PNG")
+    compare.add_argument("--out", type=_out_dir, default=None,
+                         help="folder for comparison.json and comparison.txt, replaced whole "
+                              "(default outputs/<estimated folder>-vs-<measured name>/)")
     compare.set_defaults(func=run_compare)
 
     calibrate = commands.add_parser("calibrate", help="measure this machine's device profile")
     calibrate.add_argument("--on", default="cpu", help="cpu or cuda (default cpu)")
     calibrate.add_argument("--name", default=None,
-                           help="profile name (default 'cpu'; required with --on cuda, e.g. my-h100)")
+                           help="profile name (default 'cpu'; required with --on cuda and --from, e.g. my-h100)")
+    calibrate.add_argument("--from", dest="from_trace", type=Path, default=None,
+                           help="fit the profile to this torch.profiler trace (.json, .json.gz) instead of "
+                                "micro-benchmarks; needs --estimated")
+    calibrate.add_argument("--estimated", type=Path, default=None,
+                           help="with --from: workload.json (or its folder) of the traced step, extracted with "
+                                "its model, --batch, --seq and --dtype")
     calibrate.set_defaults(func=run_calibrate)
 
     models = commands.add_parser("models", help="list the built-in models")
@@ -213,21 +229,54 @@ def _check_top(top: int) -> None:
 
 
 def run_compare(args) -> int:
-    from .formats.files import check_one_run, write_file
-    from .measure.compare import compare, load_document, plot_png, report_text
+    from .formats.files import check_one_run, publish, write_file
+    from .measure.compare import (compare, comparison_json, is_megatron_log, load_document, load_measured, plot_png,
+                                  report_text)
 
     _check_top(args.top)
-    documents = []
-    for path, expected in ((args.estimated, "workload.json"), (args.measured, "measured.json")):
-        documents.append(load_document(path, expected))
-        check_one_run(Path(documents[-1]["path"]))
-    comparison = compare(*documents)
+    _check_out(args)
+    estimated = load_document(args.estimated, "workload.json")
+    check_one_run(Path(estimated["path"]))
+    out = args.out or Path("outputs") / f"{Path(estimated['path']).parent.name}-vs-{_stem(args.measured)}"
+    if is_megatron_log(args.measured, args.measured_format):
+        return _compare_log(args, estimated, out)
+    measured = load_measured(args.measured, estimated, args.measured_format)
+    if "trace" not in measured:  # fxworkload's own measured.json
+        check_one_run(Path(measured["path"]))
+    comparison = compare(estimated, measured)
+    report = report_text(comparison, top=args.top)
     if args.plot is not None:
         write_file(args.plot, plot_png(comparison))
-    print(report_text(comparison, top=args.top), end="")
-    if args.plot is not None:
-        print(f"\nwrote {args.plot}")
+    written = publish(out, {"comparison.json": comparison_json(comparison), "comparison.txt": report},
+                      {"estimated": estimated["path"], "measured": str(args.measured)})
+    print(report, end="")
+    print("\nwrote " + ", ".join(str(p) for p in [*([args.plot] if args.plot is not None else []), *written]))
     return 0
+
+
+def _compare_log(args, estimated: dict, out: Path) -> int:
+    from .formats.files import publish
+    from .measure.megatron_log import compare_log, log_report_text, parse, summarize
+
+    if args.plot is not None:
+        raise UserError("--plot draws op pairs; a Megatron log has phases, not ops: leave --plot out")
+    result = compare_log(estimated, summarize(parse(args.measured), args.rank))
+    report = log_report_text(result, estimated.get("settings", {}))
+    written = publish(out, {"comparison.json": json.dumps(result, indent=1, sort_keys=True) + "\n",
+                            "comparison.txt": report},
+                      {"estimated": estimated["path"], "measured": str(args.measured)})
+    print(report, end="")
+    print("\nwrote " + ", ".join(str(p) for p in written))
+    return 0
+
+
+def _stem(path: Path) -> str:
+    """A file's name without .json, .json.gz, .txt: the folder name of what compare read."""
+    name = path.resolve().name if path.is_dir() else path.name
+    for suffix in (".gz", ".json", ".txt", ".log"):
+        name = name.removesuffix(suffix)
+    cleaned = re.sub(r"[^A-Za-z0-9._-]", "-", name).lstrip("._-")
+    return cleaned[:64] or "measured"
 
 
 def run_calibrate(args) -> int:
@@ -238,6 +287,8 @@ def run_calibrate(args) -> int:
         raise UserError(f"unknown --on {args.on!r}: use cpu or cuda")
     if args.name is not None:
         devices.check_name(args.name, "--name")
+    if args.from_trace is not None or args.estimated is not None:
+        return _calibrate_from(args)
     if args.on != "cpu" and not args.name:
         raise UserError("--on cuda needs --name NAME for the measured profile (e.g. --name my-h100)")
     name = args.name or "cpu"
@@ -250,6 +301,35 @@ def run_calibrate(args) -> int:
         raise UserError(f"cannot write the profile to {devices.cache_dir()} ({exc.strerror}); "
                         "set FXWORKLOAD_CACHE_DIR to a writable folder") from None
     print(f"saved device profile '{name}' to {path}; use it with --device {name}")
+    return 0
+
+
+def _calibrate_from(args) -> int:
+    from .cost import devices
+    from .measure.calibrate import fit_from_measured
+    from .measure.compare import load_document, load_measured
+
+    if args.from_trace is None or args.estimated is None:
+        raise UserError("--from TRACE and --estimated WORKLOAD go together: the trace's times and the workload's "
+                        "FLOPs and bytes of the same step")
+    if not args.name or args.name == "cpu":
+        raise UserError("--from needs --name NAME for the fitted profile (e.g. --name my-cluster-h100)")
+    if (devices.DATA_DIR / f"{args.name}.json").is_file():
+        raise UserError(f"--name {args.name} is a shipped datasheet profile; choose another name")
+    estimated = load_document(args.estimated, "workload.json")
+    measured = load_measured(args.from_trace, estimated, "torch-profiler")
+    profile = fit_from_measured(measured, args.name, args.from_trace.name)
+    try:
+        path = devices.save(profile, devices.measured_path(args.name))
+    except OSError as exc:
+        raise UserError(f"cannot write the profile to {devices.cache_dir()} ({exc.strerror}); "
+                        "set FXWORKLOAD_CACHE_DIR to a writable folder") from None
+    print(f"fitted to {measured['trace']['steps']} step(s) of {args.from_trace}: overhead "
+          f"{profile.kernel_launch_ns / 1e3:.2f} us per op, GEMM "
+          + ", ".join(f"{k} {v / 1e9:.3g} GFLOP/s" for k, v in profile.matmul_flops_per_s.items())
+          + f", {len(profile.vector_flops_per_s_by_op)} vector ops, {len(profile.memory_bytes_per_s_by_bytes)} "
+          "bandwidth points")
+    print(f"saved device profile '{args.name}' to {path}; use it with --device {args.name}")
     return 0
 
 

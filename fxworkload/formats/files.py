@@ -27,7 +27,7 @@ from ..errors import UserError
 MANIFEST = "manifest.json"
 # What fxworkload writes into an output folder: a folder holding only these may be replaced.
 OUR_FILES = frozenset({MANIFEST, "workload.tsv", "workload.json", "workload.simai.txt", "workload.trace.json",
-                       "measured.tsv", "measured.json"})
+                       "measured.tsv", "measured.json", "comparison.json", "comparison.txt", "comparison.png"})
 _TEMP = re.compile(r"^\.(?P<name>.+)\.fxworkload-(?P<pid>\d+)-[A-Za-z0-9_]+$")
 
 

@@ -26,6 +26,7 @@ import torch
 from ..cost import flops as flop_rules
 from ..cost.devices import DeviceProfile
 from ..dtypes import DTYPES
+from ..errors import UserError
 from .timing import Clock, describe, device_for
 
 aten = torch.ops.aten
@@ -149,3 +150,71 @@ def _vector_rates(clock: Clock, launch_ns: float) -> dict[str, float]:
 
 def say(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
+
+
+# Ops of at most this many bytes, launched alone, time the per-op overhead in a trace.
+SMALL_OP_BYTES = 64 << 10
+
+
+def fit_from_measured(measured: dict, name: str, source: str) -> DeviceProfile:
+    """The figures ``measure`` times with micro-benchmarks, fitted instead from the ops of a measured
+    step (a profiler trace tied to its workload): per-op overhead, GEMM rate per dtype, bandwidth
+    by bytes moved, vector rate per op. Each rate is net of the overhead, as ``measure``'s are."""
+    ops = [op for row in measured["rows"] for phase in ("forward", "input_grad", "weight_grad")
+           for op in ([row[phase]] if phase == "forward" else row[phase]) if op and op.get("measured_ns", 0) > 0]
+    kernels = [op for op in ops if op.get("kind") != "view" and (op.get("flops", 0) or op.get("bytes", 0))]
+    small = [op["measured_ns"] for op in kernels if op.get("bytes", 0) <= SMALL_OP_BYTES and op.get("kind") != "matmul"]
+    if len(small) < 3 or not any(op.get("kind") == "matmul" for op in kernels):
+        raise UserError(f"{source}: too few timed ops to fit a profile from (need GEMMs and at least 3 small ops); "
+                        "profile a whole training step")
+    launch_ns = statistics.median(small)
+    gemm_rates = {}
+    for dtype_name, torch_name in (("fp32", "float32"), ("bf16", "bfloat16"), ("fp16", "float16")):
+        gemms = [op for op in kernels if op.get("kind") == "matmul" and torch_name in op.get("input_dtypes", [])]
+        if gemms:
+            gemm_rates[dtype_name] = _pooled_rate([(op["flops"], op["measured_ns"]) for op in gemms], launch_ns)
+    memory_curve = _bucketed_curve([op for op in kernels if op.get("kind") != "matmul" and op.get("bytes", 0) > 0],
+                                   launch_ns)
+    by_op: dict[str, list] = {}
+    for op in kernels:
+        if op.get("kind") != "matmul" and op.get("flops", 0) > 0:
+            by_op.setdefault(op["op"].split(".")[1] if op["op"].startswith("aten.") else op["op"], []).append(op)
+    vector_by_op = {key: _pooled_rate([(op["flops"], op["measured_ns"]) for op in group], launch_ns)
+                    for key, group in sorted(by_op.items())}
+    best_gemm = max(gemm_rates.values())
+    how = f"fitted by 'fxworkload calibrate --from' to {len(kernels)} ops of {source}"
+    return DeviceProfile(
+        name=name, description=f"{measured['settings'].get('device', '?')}, fitted to a profiler trace",
+        matmul_flops_per_s={k: gemm_rates.get(k, best_gemm) for k in ("fp32", "bf16", "fp16")},
+        vector_flops_per_s=statistics.median(vector_by_op.values()) if vector_by_op else best_gemm / 16,
+        memory_bytes_per_s=memory_curve[-1][1] if memory_curve else 1e11,
+        compute_efficiency=1.0, memory_efficiency=1.0, kernel_launch_ns=launch_ns,
+        memory_bytes_per_s_by_bytes=memory_curve, vector_flops_per_s_by_op=vector_by_op,
+        sources={"kernel_launch_ns": f"{how}: median time of its non-GEMM ops of at most {SMALL_OP_BYTES} bytes",
+                 "matmul_flops_per_s": f"{how}: per dtype, the GEMMs' FLOPs over their time net of the overhead "
+                                       "(a dtype with no GEMM in the step takes the best rate)",
+                 "memory_bytes_per_s_by_bytes": f"{how}: non-GEMM ops bucketed by bytes moved (powers of 4), "
+                                                "bytes over time net of the overhead",
+                 "memory_bytes_per_s": f"{how}: the rate of the largest bucket",
+                 "vector_flops_per_s_by_op": f"{how}: per op, FLOPs over time net of the overhead",
+                 "vector_flops_per_s": f"{how}: the median of the per-op vector rates",
+                 "compute_efficiency": "1.0: the rates are measured, not peaks",
+                 "memory_efficiency": "1.0: the bandwidth is measured, not a peak"})
+
+
+def _pooled_rate(amounts_and_ns: list[tuple[float, float]], launch_ns: float) -> float:
+    """Σ amount / Σ net time: long ops weigh by their time, as in a step's total."""
+    amount = sum(a for a, _ in amounts_and_ns)
+    net_s = sum(1e-9 * max(ns - launch_ns, 0.1 * ns) for _, ns in amounts_and_ns)
+    return amount / net_s
+
+
+def _bucketed_curve(ops: list[dict], launch_ns: float) -> list[list[float]]:
+    buckets: dict[int, list[dict]] = {}
+    for op in ops:
+        buckets.setdefault(max(op["bytes"].bit_length() - 1, 0) // 2, []).append(op)
+    curve = []
+    for _, group in sorted(buckets.items()):
+        middle = statistics.median(op["bytes"] for op in group)
+        curve.append([float(middle), _pooled_rate([(op["bytes"], op["measured_ns"]) for op in group], launch_ns)])
+    return curve

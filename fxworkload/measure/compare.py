@@ -55,6 +55,7 @@ class Comparison:
     estimated_settings: dict
     measured_settings: dict
     step_peak_bytes: tuple[int | None, int | None] = (None, None)  # estimated, measured (GPU runs only)
+    trace: dict | None = None  # a profiler trace's totals: attributed_fraction, unattributed_ns, ...
 
 
 def load_document(path: Path, expected_name: str) -> dict:
@@ -78,6 +79,54 @@ def load_document(path: Path, expected_name: str) -> dict:
         raise UserError(f"{path}: {problem}; pass the {expected_name} that fxworkload wrote, unedited")
     document["path"] = str(path)
     return document
+
+
+MEASURED_FORMATS = ("auto", "measured", "torch-profiler", "megatron")
+
+
+def detect_format(path: Path) -> str:
+    """measured (fxworkload profile's measured.json), torch-profiler (a Kineto JSON trace, maybe
+    gzipped) or megatron (a per-rank timing log), from the file's first bytes."""
+    try:
+        with open(path, "rb") as handle:
+            raw = handle.read(1 << 16)
+    except FileNotFoundError:
+        raise UserError(f"{path}: no such file; pass measured.json, a profiler trace (.json, .json.gz) "
+                        "or a Megatron timing log") from None
+    except OSError as exc:
+        raise UserError(f"{path}: cannot read it ({exc.strerror})") from None
+    if raw[:2] == b"\x1f\x8b":
+        return "torch-profiler"
+    head = raw.decode("utf-8", errors="replace").lstrip()
+    if head.startswith("rank:"):
+        return "megatron"
+    if '"traceEvents"' in head or '"schemaVersion"' in head:
+        return "torch-profiler"
+    if head.startswith("{"):
+        return "measured"
+    raise UserError(f"{path}: neither measured.json, a profiler trace nor a Megatron timing log (it starts with "
+                    f"{head[:40]!r}); name its format with --measured-format")
+
+
+def is_megatron_log(path: Path, kind: str = "auto") -> bool:
+    if kind not in MEASURED_FORMATS:
+        raise UserError(f"unknown --measured-format {kind!r}: use one of {', '.join(MEASURED_FORMATS)}")
+    return kind == "megatron" or (kind == "auto" and not path.is_dir() and detect_format(path) == "megatron")
+
+
+def load_measured(path: Path, estimated: dict, kind: str = "auto") -> dict:
+    """The measured side of a comparison, from any of the formats compare reads."""
+    if kind not in MEASURED_FORMATS:
+        raise UserError(f"unknown --measured-format {kind!r}: use one of {', '.join(MEASURED_FORMATS)}")
+    if path.is_dir():
+        return load_document(path, "measured.json")
+    kind = detect_format(path) if kind == "auto" else kind
+    if kind == "measured":
+        return load_document(path, "measured.json")
+    if kind == "torch-profiler":
+        from .profiler_trace import measured_document
+        return measured_document(path, estimated)
+    raise UserError(f"{path}: a Megatron timing log has phases, not ops; pass it to 'fxworkload compare'")
 
 
 # Settings that define the step both files describe, with the option that sets each; the measured
@@ -159,7 +208,8 @@ def compare(estimated: dict, measured: dict) -> Comparison:
         eager_step_ns=measured.get("totals", {}).get("eager_step_ns"),
         step_peak_bytes=(estimated.get("totals", {}).get("step_peak_bytes"),
                          measured.get("totals", {}).get("step_peak_bytes")),
-        estimated_settings=estimated.get("settings", {}), measured_settings=measured.get("settings", {}))
+        estimated_settings=estimated.get("settings", {}), measured_settings=measured.get("settings", {}),
+        trace=measured.get("trace"))
 
 
 def _node_rows(document: dict) -> list[dict]:
@@ -171,7 +221,9 @@ def _name(row: dict | None) -> str:
 
 
 def _ops(row: dict, phase: str) -> list[dict]:
-    return [row[phase]] if phase == "forward" else row[phase]
+    if phase == "forward":  # None: a profiler trace did not run this row's op
+        return [row[phase]] if row[phase] is not None else []
+    return row[phase]
 
 
 def _by_kind(ops: list[dict]) -> dict[tuple[str, int], dict]:
@@ -186,7 +238,7 @@ def _by_kind(ops: list[dict]) -> dict[tuple[str, int], dict]:
 def _pair_ops(e_row: dict, m_row: dict, phase: str, index: int) -> tuple[list[OpPair], int]:
     estimated, measured = _by_kind(_ops(e_row, phase)), _by_kind(_ops(m_row, phase))
     pairs = []
-    for key in estimated.keys() & measured.keys():
+    for key in [k for k in estimated if k in measured]:  # the row's own op order: the same in every process
         e_op, m_op = estimated[key], measured[key]
         if e_op["op"] == m_op["op"] and e_op["input_shapes"] != m_op["input_shapes"]:
             raise UserError(f"row {index} '{e_row['name']}' does not match: its {phase} {e_op['op']} reads shapes "
@@ -219,7 +271,8 @@ def kind_summary(comparison: Comparison) -> list[dict]:
 
 def overall(comparison: Comparison) -> list[dict]:
     e, m = comparison.estimated_ns, comparison.measured_ns
-    spans = {"forward": ("forward",), "backward": ("input_grad", "weight_grad"), "step": PHASES}
+    spans = {"forward": ("forward",), "input_grad": ("input_grad",), "weight_grad": ("weight_grad",),
+             "backward": ("input_grad", "weight_grad"), "step": PHASES}
     out = []
     for name, phases in spans.items():
         estimated_ns, measured_ns = sum(e[p] for p in phases), sum(m[p] for p in phases)
@@ -255,6 +308,7 @@ def report_text(comparison: Comparison, top: int = 15) -> str:
                      f"{_pct(relative_error(estimated_peak, measured_peak), True)}")
     if comparison.unpaired_ops:
         notes.append(f"{comparison.unpaired_ops} ops on one side only (another kernel variant); in the totals only")
+    notes += _trace_notes(comparison.trace)
     kinds = [[k["kind"], k["count"], f"{k['estimated_ns'] / 1e6:.3f}", f"{k['measured_ns'] / 1e6:.3f}",
               _pct(k["median_abs_error"])] for k in kind_summary(comparison)]
     longest = sorted(comparison.pairs, key=lambda p: p.measured_ns, reverse=True)
@@ -268,6 +322,40 @@ def report_text(comparison: Comparison, top: int = 15) -> str:
         f"{'All' if top <= 0 else f'The {len(ops)} longest'} ops by measured time:\n" + tabulate(
             ops, headers=["row", "phase", "op", "estimated_ms", "measured_ms", "ratio"], tablefmt="simple"),
     ]) + "\n"
+
+
+def _trace_notes(trace: dict | None) -> list[str]:
+    if not trace:
+        return []
+    notes = [f"profiler trace: {trace['steps']} step(s), {trace['unit']} time {trace['total_ns'] / 1e6:.3f} ms per step, "
+             f"{_pct(trace['attributed_fraction'])} of it tied to graph nodes"]
+    if trace["communication_ns"]:
+        notes.append(f"communication (nccl kernels, c10d ops): {trace['communication_ns'] / 1e6:.3f} ms per step")
+    lost = list(trace["unattributed_ns"].items())
+    if lost:
+        named = ", ".join(f"{name} {ns / 1e6:.3f} ms" for name, ns in lost[:5])
+        notes.append(f"tied to no graph node: {sum(ns for _, ns in lost) / 1e6:.3f} ms per step, largest: {named}")
+    return notes
+
+
+def comparison_json(comparison: Comparison) -> str:
+    """comparison.json: every paired op, per-kind and per-phase totals, and what a trace left unattributed."""
+    pairs = [{"row": p.row, "phase": p.phase, "op": p.op, "kind": p.kind, "estimated_ns": p.estimated_ns,
+              "measured_ns": p.measured_ns, "ratio": p.ratio} for p in comparison.pairs]
+    rows: dict[str, dict] = {}
+    for pair in comparison.pairs:
+        row = rows.setdefault(pair.row, {"row": pair.row, **{f"{ph}_{side}_ns": 0.0 for ph in PHASES
+                                                              for side in ("estimated", "measured")}})
+        row[f"{pair.phase}_estimated_ns"] += pair.estimated_ns
+        row[f"{pair.phase}_measured_ns"] += pair.measured_ns
+    trace = comparison.trace or {}
+    document = {
+        "estimated_settings": comparison.estimated_settings, "measured_settings": comparison.measured_settings,
+        "phases": overall(comparison), "kinds": kind_summary(comparison),
+        "time_weighted_error": time_weighted_error(comparison), "unpaired_ops": comparison.unpaired_ops,
+        "attributed_fraction": trace.get("attributed_fraction"), "trace": trace or None,
+        "nodes": list(rows.values()), "ops": pairs}
+    return json.dumps(document, indent=1, sort_keys=True) + "\n"
 
 
 def plot_png(comparison: Comparison) -> bytes:

@@ -90,6 +90,7 @@ def test_compare_sums_and_errors_by_hand(tiny_dirs, measured_gpt2):
     comparison = compare(estimated, measured)
     for span in overall(comparison):
         phases = {"forward": ["forward"], "backward": ["input_grad", "weight_grad"],
+                  "input_grad": ["input_grad"], "weight_grad": ["weight_grad"],
                   "step": ["forward", "input_grad", "weight_grad"]}[span["span"]]
         e = sum(estimated["totals"][f"{p}_estimated_ns"] for p in phases)
         m = sum(measured["totals"][f"{p}_measured_ns"] for p in phases)
@@ -131,7 +132,7 @@ def test_profile_and_compare_commands(tiny_dirs, tmp_path):
     run = fxworkload("profile", tiny_dirs["gpt2"], "--seq", 16, "--on", "cpu", "--repeat", 1, "--out", measured)
     assert run.returncode == 0, run.stderr
     assert "eager step" in run.stdout
-    run = fxworkload("compare", out / "workload.tsv", measured, "--plot", tmp_path / "plot.png")
+    run = fxworkload("compare", out / "workload.tsv", measured, "--plot", tmp_path / "plot.png", "--out", tmp_path / "cmp")
     assert run.returncode == 0, run.stderr
     assert "median_abs_error" in run.stdout and "time-weighted error" in run.stdout
     assert (tmp_path / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
