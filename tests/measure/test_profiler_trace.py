@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from fxworkload.errors import UserError
-from fxworkload.measure.compare import compare, comparison_json, detect_format, load_measured
+from fxworkload.measure.compare import compare, comparison_json, detect_format, load_measured, overall
 from fxworkload.measure.profiler_trace import BACKWARD_ROOT, measured_document
 from fxworkload.pipeline import extract
 
@@ -292,6 +292,8 @@ def test_a_cuda_trace_ties_kernels_to_nodes_through_their_launches(traced, tmp_p
     compute_ns = sum(built["kernel_ns"].values())
     assert trace["total_ns"] == pytest.approx(compute_ns + 40e3 + 3e3)
     assert trace["communication_ns"] == pytest.approx(40e3)
+    spans = {s["span"]: s for s in overall(compare(estimated, measured))}
+    assert spans["communication"]["measured_ns"] == pytest.approx(40e3) and spans["communication"]["error"] is None
     assert trace["unattributed_ns"]["(kernels no op launched)"] == pytest.approx(3e3)
     # Kernels are tied as the ops that launched them are: what is left over is what the CPU trace left.
     on_cpu = measured_document(trace_path, estimated)["trace"]["unattributed_ns"]
