@@ -1,4 +1,4 @@
-"""Command line: ``fxworkload extract | profile | compare | calibrate | models | devices``.
+"""Command line: ``fxworkload extract | profile | compare | plan | calibrate | models | devices``.
 
 Each command imports what it needs when it runs: parsing, ``--help``, ``models`` and ``devices``
 never import torch.
@@ -77,6 +77,21 @@ def build_parser() -> argparse.ArgumentParser:
                               "(default outputs/<estimated folder>-vs-<measured name>/)")
     compare.set_defaults(func=run_compare)
 
+    plan = commands.add_parser("plan", help="rank every parallel layout of a model on N GPUs by step time")
+    plan.add_argument("model", help="built-in name, checkpoint folder, or config.json")
+    plan.add_argument("--gpus", type=int, required=True, help="GPUs in the cluster")
+    plan.add_argument("--global-batch", type=int, required=True, help="sequences per step (all micro-batches, all replicas)")
+    plan.add_argument("--seq", type=int, required=True, help="sequence length")
+    plan.add_argument("--device", default="h100-sxm", help="device profile (default h100-sxm)")
+    plan.add_argument("--dtype", default="bf16", help="parameter and activation dtype (default bf16)")
+    plan.add_argument("--top", type=int, default=10, help="layouts listed (default 10; 0 = all that fit)")
+    plan.add_argument("--workers", type=int, default=None, help="local processes (default: one per core)")
+    plan.add_argument("--ray", default=None, metavar="ADDRESS",
+                      help="spread the sweep over this Ray cluster ('auto' = the one this machine is part of)")
+    plan.add_argument("--out", type=_out_dir, default=None,
+                      help="folder for plan.json and plan.txt, replaced whole (default outputs/<model>-plan-<gpus>/)")
+    plan.set_defaults(func=run_plan)
+
     calibrate = commands.add_parser("calibrate", help="measure this machine's device profile")
     calibrate.add_argument("--on", default="cpu", help="cpu or cuda (default cpu)")
     calibrate.add_argument("--name", default=None,
@@ -136,6 +151,8 @@ def _add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
                             "core runs again in backward), full (each layer keeps only its input)")
     group.add_argument("--recompute-layers", type=int, default=None,
                        help="recompute only the first N layers of each pipeline stage (default: all)")
+    group.add_argument("--vpp", type=int, default=1,
+                       help="virtual pipeline stages per device: Megatron's interleaved 1F1B schedule (default 1)")
 
 
 def _parallel(args):
@@ -148,7 +165,7 @@ def _parallel(args):
     return Parallel(dp=args.dp, tp=args.tp, pp=args.pp, ep=args.ep, sp=args.sp, micro_batches=args.micro_batches,
                     zero=args.zero, bucket_mb=args.bucket_mb, pp_layers=pp_layers, stage=args.stage,
                     vocab_multiple=args.vocab_multiple, recompute=args.recompute,
-                    recompute_layers=args.recompute_layers)
+                    recompute_layers=args.recompute_layers, vpp=args.vpp)
 
 
 def _formats(text: str) -> list[str]:
@@ -277,6 +294,29 @@ def _stem(path: Path) -> str:
         name = name.removesuffix(suffix)
     cleaned = re.sub(r"[^A-Za-z0-9._-]", "-", name).lstrip("._-")
     return cleaned[:64] or "measured"
+
+
+def run_plan(args) -> int:
+    from .dtypes import check_settings
+    from .formats.files import publish
+    from .formats.tables import plan_text
+    from .plan import plan
+
+    _check_top(args.top)
+    _check_out(args)
+    check_settings(1, args.seq, args.dtype)
+    if args.workers is not None and args.workers < 1:
+        raise UserError(f"--workers must be at least 1, got {args.workers}")
+    _quiet_transformers()
+    result = plan(args.model, gpus=args.gpus, global_batch=args.global_batch, seq=args.seq, device=args.device,
+                  dtype=args.dtype, workers=args.workers, ray=args.ray, progress=True)
+    text = plan_text(result, args.top)
+    out = args.out or Path("outputs") / f"{result['model']}-plan-{args.gpus}"
+    written = publish(out, {"plan.json": json.dumps(result, indent=1, sort_keys=True) + "\n", "plan.txt": text},
+                      {k: result[k] for k in ("model", "gpus", "global_batch", "seq", "dtype", "device")})
+    print(text, end="")
+    print("\nwrote " + ", ".join(str(p) for p in written))
+    return 0
 
 
 def run_calibrate(args) -> int:

@@ -51,6 +51,7 @@ class Extraction:
     rank: RankWorkload
     memory: RankMemory  # the --stage rank's memory at its peak, part by part
     model: str = field(default="", repr=False)  # the model argument, for ``spec``
+    model_workload: Workload | None = field(default=None, repr=False)  # before recomputation: the model's FLOPs
 
     @property
     def name(self) -> str:
@@ -70,13 +71,15 @@ class Extraction:
         """The text ``fxworkload extract`` prints, each figure labelled with what it covers. Given
         the formats written, the rank's view is left out of a plain single-GPU tables run, and a
         SimAI file without data parallelism gets a note."""
-        from .formats.tables import memory_summary_text, rank_summary_text, summary_text
+        from .formats.tables import cluster_summary_text, memory_summary_text, rank_summary_text, summary_text
 
         parallel = self.rank.parallel
         text = summary_text(self.workload, self.settings, top=top)
         if formats is None or parallel != Parallel() or list(formats) != ["tables"]:
             text += "\n" + rank_summary_text(self.rank)
         text += "\n" + memory_summary_text(self.memory, self.device.name)
+        if self.cluster_or_none() is not None:
+            text += "\n" + cluster_summary_text(self.cluster)
         if formats is not None and "simai" in formats and parallel.dp == 1:
             text += ("\nnote: --dp 1: the SimAI file has no gradient all-reduce; pass --dp N for the data-parallel "
                      "collectives of an N-replica run\n")
@@ -91,13 +94,15 @@ class Extraction:
         files = {}
         if "tables" in formats:
             files["workload.tsv"] = tsv_text(self.workload, self.settings["size_unit"])
-            files["workload.json"] = json_text(self.workload, self.settings, asdict(self.device), self.memory.as_dict())
+            cluster = self.cluster_or_none()
+            files["workload.json"] = json_text(self.workload, self.settings, asdict(self.device), self.memory.as_dict(),
+                                               None if cluster is None else cluster.as_dict())
         if "simai" in formats:
             from .formats import simai
             files["workload.simai.txt"] = simai.text(simai.from_rank(self.rank))
         if "chrome-trace" in formats:
             from .formats.chrome_trace import trace_json
-            files["workload.trace.json"] = trace_json(self.rank, self.device)
+            files["workload.trace.json"] = trace_json(self.rank, self.device, self.cluster)
         return files
 
     def write(self, out: str | Path, formats=("tables",)) -> list[Path]:
@@ -105,6 +110,25 @@ class Extraction:
         from .formats.files import publish
 
         return publish(Path(out), self.files(formats), self.settings)
+
+    @functools.cached_property
+    def cluster(self):
+        """The whole cluster's step (cluster/step.py): every stage's passes under the pipeline
+        schedule, the collectives' times, MFU. Needs the profile's interconnect when world > 1."""
+        from .cluster.step import cluster_step
+        from .formats.chrome_trace import check_device
+
+        check_device(self.device, self.rank.parallel)
+        s = self.settings
+        return cluster_step(self.facts, self.workload, self.model_workload or self.workload, self.rank.parallel,
+                            s["batch"], s["seq"], s["dtype"], s["grad_dtype"], self.device)
+
+    def cluster_or_none(self):
+        """The cluster step, or None where the profile lacks the interconnect its collectives need."""
+        try:
+            return self.cluster
+        except UserError:
+            return None
 
     @functools.cached_property
     def spec(self):
@@ -155,7 +179,7 @@ def extract(model: str, batch: int = 1, seq: int | None = None, dtype: str = "fp
     facts = replace(facts, name=name)  # the cache is keyed by config: another path may share the step
     check_sequence(parallel, seq)
     say(f"costing on {profile.name}...")
-    workload = recost(workload, profile)
+    workload = captured = recost(workload, profile)
     captured_saved_bytes = workload.saved_bytes
     layer_input_bytes = batch * seq * facts.hidden * DTYPES[dtype].itemsize // (parallel.tp if parallel.sp else 1)
     workload, regenerated_bytes = with_recompute(workload, parallel, facts.stack, facts.layers, layer_input_bytes)
@@ -168,7 +192,7 @@ def extract(model: str, batch: int = 1, seq: int | None = None, dtype: str = "fp
     memory = rank_memory(rank, workload, dtype, grad_dtype, captured_saved_bytes, regenerated_bytes,
                          profile.memory_capacity_bytes)
     return Extraction(facts=facts, workload=workload, device=profile, settings=settings, rank=rank, memory=memory,
-                      model=model)
+                      model=model, model_workload=captured)
 
 
 def check_formats(formats) -> list[str]:

@@ -4,9 +4,10 @@ The timeline follows the SimAI policy the units describe, on one rank: for each 
 units run forward in order, then backward in reverse (input gradient, then weight gradient); a
 tensor- or expert-parallel collective blocks compute until it ends. Data-parallel collectives run
 on their own stream once the last micro-batch's backward reaches their row, one after another.
-Collective times follow a ring: all-reduce 2(n-1)/n·S / bandwidth, the others (n-1)/n·S / bandwidth,
-over NVLink when the group fits in one node (Megatron-LM's rank order: tp innermost, then ep/dp)
-and over the network otherwise. Pipeline waits are not modelled.
+Collective times are NCCL's ring cost model (cluster/network.py), over NVLink when the group fits
+in one node (Megatron-LM's rank order: tp innermost, then ep/dp) and over the network otherwise.
+Pipeline waits are not in this rank's timeline; the cluster's (one process per stage, every
+micro-batch's passes under the 1F1B or interleaved schedule) follows it in the same file.
 """
 
 from __future__ import annotations
@@ -14,24 +15,15 @@ from __future__ import annotations
 import json
 
 from ..capture.trace import FORWARD, INPUT_GRAD, WEIGHT_GRAD
-from ..parallel.collectives import group_size, volume_bytes
+from ..cluster.network import comm_ns
 from ..cost.devices import DeviceProfile
 from ..errors import UserError
 from ..parallel.layout import Parallel
 from ..parallel.rank import RankWorkload
-from ..parallel.units import Comm, Unit
+from ..parallel.units import Unit
 
 COMPUTE, MODEL_PARALLEL_COMM, DATA_PARALLEL_COMM = 0, 1, 2
 THREADS = {COMPUTE: "compute", MODEL_PARALLEL_COMM: "tp/ep collectives", DATA_PARALLEL_COMM: "dp collectives"}
-
-
-def comm_ns(comm: Comm, p: Parallel, device: DeviceProfile) -> float:
-    ranks = group_size(comm.group, p)
-    if ranks == 1:
-        return 0.0
-    span = {"tp": p.tp, "ep": p.tp * p.ep, "dp": p.tp * p.dp, "dp_ep": p.tp * p.dp}[comm.group]
-    bandwidth = device.intra_node_bytes_per_s if span <= device.gpus_per_node else device.inter_node_bytes_per_s
-    return volume_bytes(comm, ranks) / bandwidth * 1e9
 
 
 def check_device(device: DeviceProfile, parallel: Parallel) -> None:
@@ -42,7 +34,7 @@ def check_device(device: DeviceProfile, parallel: Parallel) -> None:
                         "or use a datasheet profile such as --device h100-sxm for --format chrome-trace")
 
 
-def trace_json(rank: RankWorkload, device: DeviceProfile) -> str:
+def trace_json(rank: RankWorkload, device: DeviceProfile, cluster=None) -> str:
     check_device(device, rank.parallel)
     timeline = _Timeline(rank.parallel, device)
     compute_units = [u for u in rank.units if u.block != "dp"]
@@ -61,9 +53,36 @@ def trace_json(rank: RankWorkload, device: DeviceProfile) -> str:
             for tid, name in THREADS.items()]
     meta.append({"name": "process_name", "ph": "M", "pid": rank.parallel.stage, "tid": 0,
                  "args": {"name": f"pipeline stage {rank.parallel.stage}, tensor-parallel rank 0"}})
-    return json.dumps({"traceEvents": meta + timeline.events, "displayTimeUnit": "ns",
-                       "otherData": {"step_ns": round(timeline.end_ns()), "parallel": rank.parallel.as_dict(),
-                                     "device": device.name}}, indent=1) + "\n"
+    events = meta + timeline.events
+    other = {"step_ns": round(timeline.end_ns()), "parallel": rank.parallel.as_dict(), "device": device.name}
+    if cluster is not None:
+        events += cluster_events(cluster)
+        other["cluster_step_ns"] = round(cluster.step_ns)
+    return json.dumps({"traceEvents": events, "displayTimeUnit": "ns", "otherData": other}, indent=1) + "\n"
+
+
+CLUSTER_PID = 1000  # the cluster's timeline: one process per pipeline stage, after the rank's units
+
+
+def cluster_events(cluster) -> list[dict]:
+    """Every stage's passes under the pipeline schedule and its data-parallel buckets (cluster/step.py)."""
+    events = []
+    for d in range(cluster.parallel.pp):
+        pid = CLUSTER_PID + d
+        events.append({"name": "process_name", "ph": "M", "pid": pid, "tid": 0,
+                       "args": {"name": f"cluster: pipeline stage {d} (every micro-batch)"}})
+        events += [{"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": name}}
+                   for tid, name in ((COMPUTE, "passes (compute and tp/ep collectives)"),
+                                     (DATA_PARALLEL_COMM, "dp collectives"))]
+    for x in cluster.passes:
+        events.append({"name": f"{'forward' if x.kind == 'F' else 'backward'} mb{x.micro_batch}"
+                               + (f" chunk{x.chunk}" if cluster.parallel.vpp > 1 else ""),
+                       "cat": "pass", "ph": "X", "pid": CLUSTER_PID + x.device, "tid": COMPUTE, "ts": _us(x.start_ns),
+                       "dur": round(_us(x.end_ns) - _us(x.start_ns), 3), "args": {"micro_batch": x.micro_batch}})
+    for device, name, start, end, nbytes in cluster.data_parallel_spans:
+        events.append({"name": name, "cat": "comm", "ph": "X", "pid": CLUSTER_PID + device, "tid": DATA_PARALLEL_COMM,
+                       "ts": _us(start), "dur": round(_us(end) - _us(start), 3), "args": {"bytes": nbytes}})
+    return events
 
 
 class _Timeline:

@@ -27,7 +27,8 @@ from ..errors import UserError
 MANIFEST = "manifest.json"
 # What fxworkload writes into an output folder: a folder holding only these may be replaced.
 OUR_FILES = frozenset({MANIFEST, "workload.tsv", "workload.json", "workload.simai.txt", "workload.trace.json",
-                       "measured.tsv", "measured.json", "comparison.json", "comparison.txt", "comparison.png"})
+                       "measured.tsv", "measured.json", "comparison.json", "comparison.txt", "comparison.png",
+                       "plan.json", "plan.txt"})
 _TEMP = re.compile(r"^\.(?P<name>.+)\.fxworkload-(?P<pid>\d+)-[A-Za-z0-9_]+$")
 
 

@@ -45,10 +45,12 @@ def phase_ns(row: NodeRow, op_ns: Callable[[OpCost], float]) -> tuple[float, ...
     return tuple(sum(map(op_ns, row.ops(phase))) for phase in PHASES)
 
 
-def json_text(workload: Workload, settings: dict, device_profile: dict, memory: dict | None = None) -> str:
+def json_text(workload: Workload, settings: dict, device_profile: dict, memory: dict | None = None,
+              cluster: dict | None = None) -> str:
     unruled = sorted({op.op for op in workload.ops() if not op.has_flop_rule})
     document = {"settings": settings, "device": device_profile, "totals": workload.totals,
                 **({"memory": memory} if memory is not None else {}),
+                **({"cluster": cluster} if cluster is not None else {}),
                 "unruled_ops": unruled, "rows": row_documents(workload, "estimated", estimated, op_document)}
     return document_text(document)
 
@@ -158,6 +160,26 @@ def rank_summary_text(rank) -> str:
     return tabulate(lines, tablefmt="simple") + "\n"
 
 
+def cluster_summary_text(cluster) -> str:
+    """The whole cluster's step: schedule, what the collectives expose, utilisation."""
+    p = cluster.parallel
+    schedule = "no pipeline" if p.pp == 1 else (f"1F1B over {p.pp} stages" if p.vpp == 1
+                                                else f"interleaved 1F1B, {p.pp} stages x {p.vpp} chunks")
+    exposed = cluster.exposed_ns
+    lines = [[f"cluster step ms ({p.world} GPUs, {schedule}, {p.micro_batches} micro-batches)",
+              f"{cluster.step_ns / 1e6:.3f}"],
+             ["pipeline bubble (busiest stage idle)", f"{100 * cluster.bubble_fraction:.1f}%"],
+             ["exposed ms: tp / ep collectives (blocking)", f"{exposed['tp'] / 1e6:.3f} / {exposed['ep'] / 1e6:.3f}"],
+             ["exposed ms: dp gradient reduction / ZeRO parameter gather",
+              f"{exposed['dp'] / 1e6:.3f} / {exposed['zero_gather'] / 1e6:.3f}"],
+             ["optimizer step ms (Adam, memory-bound)", f"{exposed['optimizer'] / 1e6:.3f}"],
+             ["MFU / HFU (model / hardware FLOPs over the dense peak)",
+              f"{100 * cluster.mfu:.1f}% / {100 * cluster.hfu:.1f}%"],
+             ["TFLOP/s per GPU (model FLOPs)", f"{cluster.tflops_per_gpu:.1f}"],
+             ["tokens per s per GPU", f"{cluster.tokens_per_s_per_gpu:,.1f}"]]
+    return tabulate(lines, tablefmt="simple") + "\n"
+
+
 def memory_summary_text(memory, device_name: str) -> str:
     """The rank's memory at its peak, part by part, and whether it fits the device."""
     from ..parallel.memory import describe_fit
@@ -210,3 +232,19 @@ def measured_summary_text(measurement) -> str:
     phases.append(["eager step (wall)", f"{totals['eager_step_ns'] / 1e6:.3f}"])
     return "\n\n".join([tabulate(key_figures, tablefmt="simple"),
                         tabulate(phases, headers=["phase", "measured_ms"], tablefmt="simple")]) + "\n"
+
+
+def plan_text(result: dict, top: int = 10) -> str:
+    """The layouts that fit, fastest first, and why the others were dropped."""
+    ranked = result["ranked"] if top <= 0 else result["ranked"][:top]
+    rows = [[i + 1, r["tp"], r["pp"], r["vpp"], r["dp"], r["ep"], "on" if r["sp"] else "off", r["zero"], r["recompute"],
+             r["micro_batch"], r["micro_batches"], f"{r['step_ms']:.1f}", f"{100 * r['mfu']:.1f}%",
+             f"{r['tflops_per_gpu']:.0f}", f"{r['tokens_per_s_per_gpu']:,.0f}", f"{100 * r['bubble']:.1f}%",
+             f"{r['peak_bytes'] / 2 ** 30:.1f}"] for i, r in enumerate(ranked)]
+    head = (f"{result['model']} on {result['gpus']} x {result['device']}, global batch {result['global_batch']} x seq "
+            f"{result['seq']}, {result['dtype']}: {result['evaluated']:,} layouts evaluated from {result['shapes']} "
+            f"captured rank shapes, {len(result['ranked']):,} fit")
+    dropped = "\n".join(f"dropped: {count:,} {why}" for why, count in result["dropped"].items() if count)
+    table = tabulate(rows, headers=["#", "tp", "pp", "vpp", "dp", "ep", "sp", "zero", "recompute", "mbs", "mb",
+                                    "step_ms", "mfu", "tflops", "tok/s/gpu", "bubble", "peak_gib"], tablefmt="simple")
+    return "\n\n".join([head, table if rows else "no layout fits in memory", dropped]) + "\n"

@@ -99,10 +99,6 @@ def volume_bytes(comm: Comm, ranks: int) -> float:
     return 2 * share if comm.type == ALLREDUCE else share
 
 
-def group_size(group: str, p: Parallel) -> int:
-    return {"tp": p.tp, "ep": p.ep, "dp": p.dp, "dp_ep": p.dp // p.ep}[group]
-
-
 def _buckets(grads: list, bucket_mb: float) -> list[list]:
     """DDP's assignment (torch.distributed._compute_bucket_assignment_by_size): parameter groups in
     definition order, a bucket closed once it reaches its cap, 1 MiB for the first (the groups defined

@@ -22,6 +22,7 @@ class Parallel:
     vocab_multiple: int = 1  # pad the vocabulary to a multiple of this x tp (Megatron's --make-vocab-size-divisible-by)
     recompute: str = "none"  # activation recomputation: none, selective (attention core) or full (whole layers)
     recompute_layers: int | None = None  # recompute the first N layers of each stage; None = all
+    vpp: int = 1  # virtual pipeline stages (model chunks) per device: Megatron's interleaved 1F1B schedule
 
     @property
     def world(self) -> int:
@@ -46,7 +47,7 @@ MAX_BUCKET_MB = 1 << 20
 def check_values(parallel: Parallel) -> None:
     """The settings on their own (before any model is read): types, ranges and sizes."""
     p = parallel
-    for name in ("dp", "tp", "pp", "ep", "micro_batches", "vocab_multiple"):
+    for name in ("dp", "tp", "pp", "ep", "micro_batches", "vocab_multiple", "vpp"):
         value = getattr(p, name)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise UserError(f"--{name.replace('_', '-')} must be a positive integer, got {value}")
@@ -101,11 +102,29 @@ def check(parallel: Parallel, facts) -> None:
         raise UserError(f"--ep {p.ep} needs a mixture-of-experts model; {facts.model_type} has no experts")
     if experts and experts % p.ep:
         raise UserError(f"--ep {p.ep} does not divide the model's {experts} experts; choose an --ep that divides it")
+    if p.vpp > 1:
+        if p.pp == 1 or p.pp_layers is not None:
+            raise UserError("--vpp interleaves model chunks over pipeline stages: it needs --pp > 1 and balanced "
+                            "stages (no --pp-layers)")
+        if facts.layers % (p.pp * p.vpp):
+            raise UserError(f"--pp {p.pp} x --vpp {p.vpp} does not divide the model's {facts.layers} layers; "
+                            "choose a --vpp that does")
+        if p.micro_batches % p.pp:
+            raise UserError(f"the interleaved schedule runs micro-batches in groups of --pp {p.pp}: "
+                            f"--micro-batches {p.micro_batches} must be a multiple of it")
     stages = stage_layers(p, facts.layers)
     fewest = min(len(stage) for stage in stages)
     if p.recompute_layers is not None and p.recompute_layers > fewest:
         raise UserError(f"--recompute-layers {p.recompute_layers} exceeds the {fewest} layers of the smallest "
                         "pipeline stage; choose 1 to " + str(fewest))
+
+
+def virtual_stage_layers(parallel: Parallel, layers: int) -> list[range]:
+    """The layers of each virtual stage c·pp + d (chunk c of device d); with vpp 1, the stages."""
+    if parallel.vpp == 1:
+        return stage_layers(parallel, layers)
+    count = layers // (parallel.pp * parallel.vpp)
+    return [range(i * count, (i + 1) * count) for i in range(parallel.pp * parallel.vpp)]
 
 
 def padded_vocab(parallel: Parallel, vocab: int) -> int:

@@ -28,7 +28,7 @@ def rank_workload(facts: ModelFacts, workload: Workload, parallel: Parallel, mic
     last = parallel.stage == parallel.pp - 1
     mine = stage_units(units, stages[parallel.stage], parallel.stage == 0, last)
     if last and parallel.pp > 1 and facts.tied_embedding is not None:
-        _keep_tied_copy(facts.tied_embedding, units, mine)
+        keep_tied_copy(facts.tied_embedding, units, mine)
     act_itemsize, grad_itemsize = DTYPES[dtype].itemsize, DTYPES[grad_dtype].itemsize
     add_model_parallel(mine, parallel, micro_batch, seq, facts.hidden, act_itemsize, facts.top_k)
     boundary = micro_batch * seq * facts.hidden * act_itemsize // (parallel.tp if parallel.sp else 1)
@@ -36,7 +36,7 @@ def rank_workload(facts: ModelFacts, workload: Workload, parallel: Parallel, mic
                         layers=stages[parallel.stage], pp_comm_bytes=boundary if parallel.pp > 1 else 0)
 
 
-def _keep_tied_copy(embedding_path: str, units: list[Unit], mine: list[Unit]) -> None:
+def keep_tied_copy(embedding_path: str, units: list[Unit], mine: list[Unit]) -> None:
     """With pipeline stages, a head tied to the input embedding keeps its own copy of the weight on
     the last stage (Megatron-LM), whose gradient that stage's data-parallel group reduces too."""
     tied = [g for u in units if u.block == EMBEDDING for g in u.grads if g.module == embedding_path]

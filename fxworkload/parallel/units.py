@@ -35,6 +35,7 @@ class Unit:
     grads: list[GradRow] = field(default_factory=list)
     moe: bool = False
     comms: dict[str, list[Comm]] = field(default_factory=lambda: {phase: [] for phase in PHASES})
+    costs: dict[str, tuple[float, int]] | None = None  # phase -> (ns, flops), summed once for a layout search
 
     def ops(self, phase: str) -> list:
         return [op for row in self.rows for op in row.ops(phase)]

@@ -10,7 +10,8 @@ import pytest
 
 from fxworkload import read_simai
 from fxworkload.capture.trace import FORWARD, INPUT_GRAD, PHASES, WEIGHT_GRAD
-from fxworkload.formats.chrome_trace import comm_ns
+from fxworkload.cluster.network import comm_ns
+from fxworkload.formats.chrome_trace import CLUSTER_PID
 from fxworkload.cli import main
 from fxworkload.cost.devices import load
 from fxworkload.errors import UserError
@@ -95,7 +96,7 @@ def test_chrome_trace_lays_out_every_unit_and_collective(tiny_dirs, tmp_path):
                      "--device", "h100-sxm", "--tp", "2", "--dp", "2", "--micro-batches", "2")
     assert code == 0
     trace = json.loads((out / "workload.trace.json").read_text())
-    spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["pid"] < CLUSTER_PID]  # the rank's own
     result = extract(str(tiny_dirs["llama"]), batch=2, seq=16, device="h100-sxm",
                      parallel=Parallel(tp=2, dp=2, micro_batches=2))
     units = [u for u in result.rank.units if u.block != "dp"]
@@ -106,8 +107,12 @@ def test_chrome_trace_lays_out_every_unit_and_collective(tiny_dirs, tmp_path):
     dp = [c for u in result.rank.units for c in u.comms[WEIGHT_GRAD]]
     assert len([e for e in spans if e["tid"] == 2]) == len(dp)
     device = load("h100-sxm")
+    # NCCL's ring: 8.4 us base, 2(n-1) NVLink steps of 3.4 us, bus bandwidth x n / 2(n-1)
     assert comm_ns(dp[0], result.rank.parallel, device) == pytest.approx(
-        2 * (2 - 1) / 2 * dp[0].bytes / device.intra_node_bytes_per_s * 1e9)
+        8_400 + 2 * 3_400 + dp[0].bytes / (device.intra_node_bytes_per_s * 2 / 2) * 1e9)
+    passes = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["pid"] >= CLUSTER_PID and e["cat"] == "pass"]
+    assert len(passes) == 2 * 2  # one stage: forward and backward of 2 micro-batches
+    assert trace["otherData"]["cluster_step_ns"] == round(result.cluster.step_ns)
     ends = [e["ts"] + e["dur"] for e in spans]
     assert trace["otherData"]["step_ns"] == pytest.approx(max(ends) * 1e3, abs=1)
     timeline = sorted((e["ts"], e["ts"] + e["dur"]) for e in spans if e["tid"] in (0, 1))

@@ -1,0 +1,127 @@
+"""Published training layouts, re-estimated: TFLOP/s per GPU of the cluster step against the papers'.
+
+- Narayanan et al. 2021 ("Efficient Large-Scale Language Model Training on GPU Clusters Using
+  Megatron-LM"), Table 1 (weak scaling): GPT models, seq 2048, vocabulary 51,200, fp16 mixed
+  precision on DGX A100 80GB; their TFLOP/s count eq. 3, 96·B·s·l·h²(1 + s/6h + V/16lh), which
+  includes the recomputed forward (they recompute activations).
+- The Llama 3 paper (Dubey et al. 2024), Table 4: Llama 3 405B (126 layers, hidden 16,384, 128
+  heads, 8 KV heads, FFN 53,248, vocabulary 128,256) on H100 80GB, seq 8,192, bf16; TFLOP/s per
+  GPU as model FLOPs (the paper reports MFU). The rows with context parallelism are left out
+  (fxworkload does not model CP).
+
+Left unsaid by the papers and chosen here as plan would: the micro-batch size (1, 2 or 4), the
+virtual stages of the interleaved schedule (1, 2 or 4 where they divide), recomputation (full or
+selective for Megatron, none or selective for Llama 3), ZeRO 1 (the distributed optimizer), and
+for Llama 3 the uneven first and last stages (126 layers on 16 stages: 7, 8 x 14, 7); the
+fastest layout that fits is kept.
+
+    .venv/bin/python bench/published.py                 # all rows (several minutes: one capture per row)
+    .venv/bin/python bench/published.py --only 1.7B,18.4B
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from tabulate import tabulate
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from fxworkload.parallel.layout import Parallel  # noqa: E402
+from fxworkload.plan import Shape, evaluate_shape  # noqa: E402
+
+GPT = dict(model_type="gpt2", vocab_size=51200, n_positions=2048, activation_function="gelu_new",
+           architectures=["GPT2LMHeadModel"])
+# name: (heads, hidden, layers, tp, pp, gpus, global batch, published TFLOP/s per GPU)
+MEGATRON = {
+    "1.7B": (24, 2304, 24, 1, 1, 32, 512, 137), "3.6B": (32, 3072, 30, 2, 1, 64, 512, 138),
+    "7.5B": (32, 4096, 36, 4, 1, 128, 512, 142), "18.4B": (48, 6144, 40, 8, 1, 256, 1024, 135),
+    "39.1B": (64, 8192, 48, 8, 2, 512, 1536, 138), "76.1B": (80, 10240, 60, 8, 4, 1024, 1792, 140),
+    "145.6B": (96, 12288, 80, 8, 8, 1536, 2304, 148), "310.1B": (128, 16384, 96, 8, 16, 1920, 2160, 155),
+    "529.6B": (128, 20480, 105, 8, 35, 2520, 2520, 163),
+}
+LLAMA_405B = dict(model_type="llama", hidden_size=16384, intermediate_size=53248, num_hidden_layers=126,
+                  num_attention_heads=128, num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192,
+                  rope_theta=500000.0, rms_norm_eps=1e-5, architectures=["LlamaForCausalLM"])
+# name: (tp, pp, dp, sequences per DP rank, published TFLOP/s per GPU)
+LLAMA = {"405B 8192 GPUs": (8, 16, 64, 32, 430), "405B 16384 GPUs": (8, 16, 128, 16, 400)}
+
+
+def megatron_row(name: str, root: Path) -> list:
+    from transformers import GPT2Config
+
+    heads, hidden, layers, tp, pp, gpus, batch, published = MEGATRON[name]
+    folder = root / f"gpt-{name}"
+    GPT2Config(n_layer=layers, n_embd=hidden, n_head=heads, **{k: v for k, v in GPT.items() if k != "model_type"}
+               ).save_pretrained(folder)
+    dp = gpus // (tp * pp)
+    best = best_layout(str(folder), tp, pp, dp, batch, 2048, "fp16", "a100-80gb", layers,
+                       recompute=("full", "selective"), pp_layers=None)
+    seq, vocab = 2048, 51200
+    paper_flops = 96 * batch * seq * layers * hidden ** 2 * (1 + seq / (6 * hidden) + vocab / (16 * layers * hidden))
+    ours = paper_flops / (best["step_ms"] / 1e3) / gpus / 1e12
+    return [f"GPT {name}", f"tp{tp} pp{pp} dp{dp}", gpus, describe(best), published, f"{ours:.0f}",
+            f"{100 * (ours / published - 1):+.1f}%"]
+
+
+def llama_row(name: str, root: Path) -> list:
+    from transformers import LlamaConfig
+
+    tp, pp, dp, per_dp, published = LLAMA[name]
+    folder = root / "llama-3-405b"
+    if not folder.exists():
+        LlamaConfig(**{k: v for k, v in LLAMA_405B.items() if k != "model_type"}).save_pretrained(folder)
+    best = best_layout(str(folder), tp, pp, dp, dp * per_dp, 8192, "bf16", "h100-sxm", 126,
+                       recompute=("none", "selective"), pp_layers=(7, *[8] * 14, 7))
+    return [f"Llama 3 {name}", f"tp{tp} pp{pp} dp{dp}", tp * pp * dp, describe(best), published,
+            f"{best['tflops_per_gpu']:.0f}", f"{100 * (best['tflops_per_gpu'] / published - 1):+.1f}%"]
+
+
+def best_layout(model, tp, pp, dp, batch, seq, dtype, device, layers, recompute, pp_layers) -> dict:
+    rows = []
+    for micro_batch in (1, 2, 4):
+        if batch % (dp * micro_batch):
+            continue
+        m = batch // (dp * micro_batch)
+        layouts = [Parallel(tp=tp, pp=pp, dp=dp, sp=tp > 1, micro_batches=m, zero=1, recompute=r, vpp=v,
+                            pp_layers=pp_layers)
+                   for r, v in itertools.product(recompute, (1, 2, 4))
+                   if v == 1 or (pp > 1 and pp_layers is None and layers % (pp * v) == 0 and m % pp == 0)]
+        rows += evaluate_shape(model, Shape(tp, 1, micro_batch), layouts, seq, dtype, device)
+    fitting = [r for r in rows if r["fits"]] or rows
+    return min(fitting, key=lambda r: r["step_ms"]) | {"any_fits": any(r["fits"] for r in rows)}
+
+
+def describe(row: dict) -> str:
+    return (f"mbs {row['micro_batch']}, vpp {row['vpp']}, recompute {row['recompute']}, "
+            f"{row['step_ms'] / 1e3:.2f} s/step, {row['peak_bytes'] / 2 ** 30:.0f} GiB"
+            + ("" if row["any_fits"] else " (none fits)"))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", default=None, help="comma-separated row names (e.g. 1.7B,405B 8192 GPUs)")
+    args = parser.parse_args()
+    wanted = None if args.only is None else set(args.only.split(","))
+    root = Path(tempfile.mkdtemp(prefix="fxworkload-published-"))
+    rows, started = [], time.perf_counter()
+    for name in MEGATRON:
+        if wanted is None or name in wanted:
+            rows.append(megatron_row(name, root))
+            print(" | ".join(map(str, rows[-1])), file=sys.stderr, flush=True)
+    for name in LLAMA:
+        if wanted is None or name in wanted:
+            rows.append(llama_row(name, root))
+            print(" | ".join(map(str, rows[-1])), file=sys.stderr, flush=True)
+    print(tabulate(rows, headers=["model", "layout", "gpus", "chosen (unsaid by the paper)", "published_tflops",
+                                  "ours_tflops", "ours_vs_published"], tablefmt="github"))
+    print(f"\n{time.perf_counter() - started:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,62 @@
+"""Collective and point-to-point times from NCCL's own cost model (ring algorithm, Simple protocol).
+
+NCCL picks an algorithm per call from a table of latency + bytes / bandwidth (src/graph/tuning.cc,
+ncclTopoTuneModel and ncclTopoGetAlgoTime); for the large buffers of training (MiB and up) that is
+the ring with the Simple protocol, whose figures are used here:
+- latency = baseLat + (steps - inter-node steps) x NVLink hop + inter-node steps x network hop,
+  with steps = 2(n-1) for all-reduce, n-1 for all-gather and reduce-scatter, n for all-to-all,
+  and inter-node steps the same counts over nodes;
+- bandwidth: the per-GPU bus bandwidth of the slowest link the ring crosses (NVLink inside a
+  node, the GPU's share of the network otherwise) times n / steps.
+
+Ranks are placed as Megatron-LM orders them: tensor-parallel innermost, then data-parallel
+(expert-parallel carved out of it), pipeline outermost; a group's GPUs span consecutive nodes.
+"""
+
+from __future__ import annotations
+
+import math
+
+from ..cost.devices import DeviceProfile
+from ..parallel.layout import Parallel
+from ..parallel.units import Comm
+
+# NVIDIA/nccl src/graph/tuning.cc, Ring / Simple: baseLat and hwLat (NVLink, network), in µs there.
+BASE_LATENCY_NS = 8_400.0
+NVLINK_HOP_NS = 3_400.0
+NETWORK_HOP_NS = 9_600.0
+STEPS = {"ALLREDUCE": lambda n: 2 * (n - 1), "ALLGATHER": lambda n: n - 1, "REDUCESCATTER": lambda n: n - 1,
+         "ALLTOALL": lambda n: n}
+
+
+def group_layout(group: str, p: Parallel, gpus_per_node: int) -> tuple[int, int]:
+    """(ranks, nodes) of a tensor-, expert- or data-parallel group under Megatron's rank order."""
+    ranks, stride = {"tp": (p.tp, 1), "ep": (p.ep, p.tp), "dp": (p.dp, p.tp),
+                     "dp_ep": (p.dp // p.ep, p.tp * p.ep)}[group]
+    span = ranks * stride
+    return ranks, max(1, math.ceil(span / gpus_per_node))
+
+
+def collective_ns(comm_type: str, nbytes: float, ranks: int, nodes: int, device: DeviceProfile) -> float:
+    if ranks <= 1 or nbytes <= 0:
+        return 0.0
+    steps = STEPS[comm_type](ranks)
+    inter_steps = STEPS[comm_type](nodes) if nodes > 1 else 0
+    latency = BASE_LATENCY_NS + (steps - inter_steps) * NVLINK_HOP_NS + inter_steps * NETWORK_HOP_NS
+    bus = device.intra_node_bytes_per_s if nodes == 1 else device.inter_node_bytes_per_s
+    return latency + nbytes / (bus * ranks / steps) * 1e9
+
+
+def comm_ns(comm: Comm, p: Parallel, device: DeviceProfile) -> float:
+    ranks, nodes = group_layout(comm.group, p, device.gpus_per_node)
+    return collective_ns(comm.type, comm.bytes, ranks, nodes, device)
+
+
+def p2p_ns(nbytes: float, p: Parallel, device: DeviceProfile) -> float:
+    """One activation (or its gradient) sent to the next pipeline stage: tp x dp GPUs away."""
+    if p.pp == 1 or nbytes <= 0:
+        return 0.0
+    same_node = p.tp * p.dp * 2 <= device.gpus_per_node
+    hop = NVLINK_HOP_NS if same_node else NETWORK_HOP_NS
+    bus = device.intra_node_bytes_per_s if same_node else device.inter_node_bytes_per_s
+    return BASE_LATENCY_NS + hop + nbytes / bus * 1e9

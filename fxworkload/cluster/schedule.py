@@ -1,0 +1,101 @@
+"""Megatron-LM's pipeline schedules, simulated: 1F1B and interleaved 1F1B (virtual stages).
+
+Each device runs its forward (F) and backward (B) passes in the order Megatron-LM issues them
+(megatron/core/pipeline_parallel/schedules.py): warm-up forwards, then one forward and one
+backward in turn, then the remaining backwards. With v virtual stages a device holds v model
+chunks; virtual stage c·pp + d is chunk c of device d, and micro-batches go through the chunks in
+groups of pp. A pass starts when its device is free and its input has arrived: a forward needs
+the previous virtual stage's forward of the same micro-batch, a backward the next virtual stage's
+backward (the last one its own forward), each plus the point-to-point transfer between devices.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+FORWARD, BACKWARD = "F", "B"
+
+
+@dataclass(frozen=True)
+class Pass:
+    device: int
+    kind: str  # F or B
+    chunk: int
+    micro_batch: int
+    start_ns: float
+    end_ns: float
+
+
+def device_order(pp: int, vpp: int, micro_batches: int, device: int) -> list[tuple[str, int, int]]:
+    """(kind, chunk, micro-batch) in the order Megatron-LM runs them on ``device``."""
+    total = micro_batches * vpp
+    if vpp == 1:
+        warmup = min(pp - device - 1, micro_batches)
+    else:
+        warmup = min((pp - device - 1) * 2 + (vpp - 1) * pp, total)
+
+    def which(k: int, forward: bool) -> tuple[int, int]:
+        in_group = k % (pp * vpp)
+        chunk = in_group // pp
+        micro_batch = (k // (pp * vpp)) * pp + in_group % pp
+        return (chunk if forward else vpp - 1 - chunk), micro_batch
+
+    order = [(FORWARD, *which(k, True)) for k in range(warmup)]
+    for k in range(total - warmup):
+        order.append((FORWARD, *which(warmup + k, True)))
+        order.append((BACKWARD, *which(k, False)))
+    order += [(BACKWARD, *which(k, False)) for k in range(total - warmup, total)]
+    return order
+
+
+def simulate(pp: int, vpp: int, micro_batches: int, forward_ns, backward_ns, transfer_ns: float) -> list[Pass]:
+    """forward_ns[device][chunk], backward_ns[device][chunk]: one micro-batch's pass times."""
+    return [Pass(d, *entry) for d, timeline in enumerate(timelines(pp, vpp, micro_batches, forward_ns, backward_ns,
+                                                                    transfer_ns)) for entry in timeline]
+
+
+def timelines(pp: int, vpp: int, micro_batches: int, forward_ns, backward_ns, transfer_ns: float) -> list[list[tuple]]:
+    """Per device, its passes in order as (kind, chunk, micro-batch, start_ns, end_ns)."""
+    orders = [device_order(pp, vpp, micro_batches, d) for d in range(pp)]
+    last = pp * vpp - 1
+    forward_end: dict[tuple[int, int], float] = {}  # (virtual stage, micro-batch) -> end
+    backward_end: dict[tuple[int, int], float] = {}
+    free = [0.0] * pp
+    at = [0] * pp
+    out: list[list[tuple]] = [[] for _ in range(pp)]
+    remaining = sum(len(o) for o in orders)
+    while remaining:
+        progressed = False
+        for d in range(pp):
+            order, timeline = orders[d], out[d]
+            while at[d] < len(order):
+                kind, chunk, mb = order[at[d]]
+                stage = chunk * pp + d
+                if kind == FORWARD:
+                    if stage == 0:
+                        ready = 0.0
+                    else:
+                        ready = forward_end.get((stage - 1, mb))
+                        if ready is None:
+                            break
+                        ready += transfer_ns
+                elif stage == last:
+                    ready = forward_end.get((stage, mb))
+                    if ready is None:
+                        break
+                else:
+                    ready = backward_end.get((stage + 1, mb))
+                    if ready is None:
+                        break
+                    ready += transfer_ns
+                start = free[d] if free[d] > ready else ready
+                end = start + (forward_ns if kind == FORWARD else backward_ns)[d][chunk]
+                (forward_end if kind == FORWARD else backward_end)[(stage, mb)] = end
+                timeline.append((kind, chunk, mb, start, end))
+                free[d] = end
+                at[d] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            raise RuntimeError("pipeline schedule deadlocked")  # Megatron's orders never do
+    return out

@@ -1,0 +1,265 @@
+"""One training step of the whole cluster: every pipeline stage's passes, the schedule, and what the
+collectives add to it.
+
+- A pass (one micro-batch's forward or backward of one model chunk) is its units' compute plus the
+  tensor- and expert-parallel collectives Megatron-LM runs inside it, which block compute (the
+  collective times: network.py).
+- The passes are scheduled as Megatron-LM's 1F1B or interleaved 1F1B (schedule.py), with the
+  point-to-point transfer of an activation between devices.
+- Data-parallel gradient buckets are reduced on their own stream as DDP does: a bucket starts
+  once the last micro-batch's backward has produced its gradients (and the previous bucket is
+  done); what runs past the device's last backward is exposed. ZeRO 1/2 gather the updated
+  parameters after the optimizer; ZeRO 3 gathers them for every pass, on a stream beside it.
+- The optimizer (Adam) is a memory-bound pass over the rank's parameters and its states.
+
+Figures: step time (the slowest device), pipeline bubble, exposed communication per kind, model
+FLOPs utilisation (MFU: the model's FLOPs, 6·N·tokens-like, read off the graph) and hardware
+FLOPs utilisation (HFU: with the recomputed forward), tokens per second per GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from ..capture.trace import FORWARD, INPUT_GRAD, WEIGHT_GRAD
+from ..cost.devices import DeviceProfile
+from ..dtypes import DTYPES
+from ..parallel.collectives import ALLGATHER, add_model_parallel, data_parallel_units, stage_units
+from ..parallel.facts import ModelFacts
+from ..parallel.layout import Parallel, virtual_stage_layers
+from ..parallel.memory import ADAM_BYTES_PER_PARAMETER
+from ..parallel.rank import keep_tied_copy
+from ..parallel.units import Unit, split
+from ..workload.table import Workload
+from .network import comm_ns, p2p_ns
+from .schedule import BACKWARD, Pass, timelines
+
+# Adam touches per parameter: the fp32 master copy and both moments, read and written (2 x 12 bytes
+# in mixed precision, 2 x 8 in fp32), the gradient read and the parameter written in its own dtype.
+OPTIMIZER_PASSES = 2
+
+
+@dataclass
+class DeviceSummary:
+    device: int
+    compute_ns: float  # its passes' compute, every micro-batch
+    blocking_comm_ns: dict[str, float]  # tp / ep collectives inside its passes
+    pipeline_end_ns: float
+    data_parallel_end_ns: float
+    optimizer_ns: float
+    zero_gather_ns: float
+    end_ns: float
+
+
+@dataclass
+class ClusterStep:
+    parallel: Parallel
+    micro_batch: int
+    seq: int
+    step_ns: float
+    pipeline_ns: float  # the slowest device's last pass
+    bubble_fraction: float  # idle share of the pipeline on the busiest device
+    exposed_ns: dict[str, float]  # per kind, on the device that ends the step
+    model_flops: float  # per step, the whole cluster
+    hardware_flops: float  # with recomputation
+    peak_flops_per_s: float
+    devices: list[DeviceSummary]
+    device_passes: list[list[tuple]] = field(repr=False)  # per device: (kind, chunk, micro-batch, start, end)
+    data_parallel_spans: list[tuple[int, str, float, float, int]] = field(repr=False)  # device, name, start, end, bytes
+    device_units: list[list[Unit]] = field(repr=False, default_factory=list)  # per device, dp rows included
+
+    @property
+    def passes(self) -> list[Pass]:
+        return [Pass(d, *entry) for d, timeline in enumerate(self.device_passes) for entry in timeline]
+
+    @property
+    def world(self) -> int:
+        return self.parallel.world
+
+    @property
+    def tokens(self) -> int:
+        return self.micro_batch * self.seq * self.parallel.micro_batches * self.parallel.dp
+
+    @property
+    def mfu(self) -> float:
+        return self.model_flops / (self.step_ns * 1e-9 * self.world * self.peak_flops_per_s)
+
+    @property
+    def hfu(self) -> float:
+        return self.hardware_flops / (self.step_ns * 1e-9 * self.world * self.peak_flops_per_s)
+
+    @property
+    def tflops_per_gpu(self) -> float:
+        return self.model_flops / (self.step_ns * 1e-9 * self.world) / 1e12
+
+    @property
+    def tokens_per_s_per_gpu(self) -> float:
+        return self.tokens / (self.step_ns * 1e-9) / self.world
+
+    def as_dict(self) -> dict:
+        return {"step_ns": self.step_ns, "pipeline_ns": self.pipeline_ns, "bubble_fraction": self.bubble_fraction,
+                "exposed_ns": self.exposed_ns, "model_flops": self.model_flops, "hardware_flops": self.hardware_flops,
+                "mfu": self.mfu, "hfu": self.hfu, "tflops_per_gpu": self.tflops_per_gpu,
+                "tokens_per_step": self.tokens, "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu,
+                "peak_flops_per_s": self.peak_flops_per_s,
+                "devices": [vars(d) for d in self.devices]}
+
+
+def device_chunks(facts: ModelFacts, workload: Workload, p: Parallel, device: int, micro_batch: int, seq: int,
+                  dtype: str, grad_dtype: str) -> tuple[list[list[Unit]], list[Unit]]:
+    """Device ``device``'s model chunks (units, collectives attached) and its units in forward order
+    with the data-parallel rows inserted where DDP issues them."""
+    units = _units(facts, workload)
+    chunks = [[_fresh(u) for u in chunk] for chunk in _chunks(facts, units, p, device)]
+    mine = [u for chunk in chunks for u in chunk]
+    if device == p.pp - 1 and p.pp > 1 and facts.tied_embedding is not None:
+        keep_tied_copy(facts.tied_embedding, units, mine)
+    act_itemsize = DTYPES[dtype].itemsize
+    add_model_parallel(mine, p, micro_batch, seq, facts.hidden, act_itemsize, facts.top_k)
+    return chunks, data_parallel_units(mine, p, DTYPES[grad_dtype].itemsize, act_itemsize)
+
+
+def _chunks(facts: ModelFacts, units: list[Unit], p: Parallel, device: int) -> list[list[Unit]]:
+    ranges = virtual_stage_layers(p, facts.layers)
+    last = len(ranges) - 1
+    return [stage_units(units, ranges[c * p.pp + device], c * p.pp + device == 0, c * p.pp + device == last)
+            for c in range(p.vpp)]
+
+
+_SPLIT: dict[int, tuple[Workload, list[Unit]]] = {}
+
+
+def _units(facts: ModelFacts, workload: Workload) -> list[Unit]:
+    """The workload's units, split once per table (a layout search evaluates many layouts of one)."""
+    held = _SPLIT.get(id(workload))
+    if held is None or held[0] is not workload:
+        if len(_SPLIT) >= 8:
+            _SPLIT.clear()
+        units = split(workload, facts.stack, list(facts.row_parallel))
+        for u in units:
+            u.costs = {ph: (u.ns(ph), u.flops(ph)) for ph in (FORWARD, INPUT_GRAD, WEIGHT_GRAD)}
+        held = _SPLIT[id(workload)] = (workload, units)
+    return held[1]
+
+
+def _fresh(unit: Unit) -> Unit:
+    """A copy a layout may attach its collectives and tied gradients to."""
+    return replace(unit, grads=list(unit.grads), comms={ph: [] for ph in (FORWARD, INPUT_GRAD, WEIGHT_GRAD)})
+
+
+def cluster_step(facts: ModelFacts, workload: Workload, model_workload: Workload, p: Parallel, micro_batch: int,
+                 seq: int, dtype: str, grad_dtype: str, device: DeviceProfile) -> ClusterStep:
+    """``workload``: the step as it runs (recomputation applied); ``model_workload``: as captured,
+    for the model's FLOPs."""
+    p = replace(p, stage=0)
+    forward, backward, comm, flops, layouts = [], [], [], [], []
+    for d in range(p.pp):
+        chunks, with_dp = device_chunks(facts, workload, p, d, micro_batch, seq, dtype, grad_dtype)
+        model_chunks = _chunks(facts, _units(facts, model_workload), p, d)
+        forward.append([_pass_ns(c, FORWARD, p, device) for c in chunks])
+        backward.append([_pass_ns(c, INPUT_GRAD, p, device) for c in chunks])
+        comm.append(_blocking_comm(chunks, p, device))
+        flops.append((_flops(model_chunks), _flops(chunks)))
+        layouts.append((chunks, with_dp))
+    if p.zero == 3:  # the gathers run beside each pass; what a pass cannot hide lengthens it
+        for d in range(p.pp):
+            gather_f, gather_b = _zero3_gather_ns(layouts[d][1], p, device)
+            forward[d] = [max(f, gather_f / p.vpp) for f in forward[d]]
+            backward[d] = [max(b, gather_b / p.vpp) for b in backward[d]]
+    boundary = micro_batch * seq * facts.hidden * DTYPES[dtype].itemsize // (p.tp if p.sp else 1)
+    transfer = p2p_ns(boundary, p, device)
+    passes = timelines(p.pp, p.vpp, p.micro_batches, forward, backward, transfer)
+    devices, spans = [], []
+    for d in range(p.pp):
+        mine = passes[d]
+        pipeline_end = mine[-1][4]
+        dp_end, dp_spans = _data_parallel(layouts[d], mine, p, device)
+        spans += [(d, *span) for span in dp_spans]
+        optimizer = _optimizer_ns(layouts[d][0], p, dtype, grad_dtype, device)
+        gather = sum(comm_ns(c, p, device) for u in layouts[d][1] if u.block == "dp" for c in u.comms[WEIGHT_GRAD]
+                     if c.type == ALLGATHER and p.zero in (1, 2))
+        compute = sum(x[4] - x[3] for x in mine)
+        end = max(pipeline_end, dp_end) + optimizer + gather
+        devices.append(DeviceSummary(device=d, compute_ns=compute, blocking_comm_ns=comm[d],
+                                     pipeline_end_ns=pipeline_end, data_parallel_end_ns=dp_end,
+                                     optimizer_ns=optimizer, zero_gather_ns=gather, end_ns=end))
+    slowest = max(devices, key=lambda x: x.end_ns)
+    busiest = max(devices, key=lambda x: x.compute_ns)
+    pipeline_ns = max(x.pipeline_end_ns for x in devices)
+    micro = p.micro_batches
+    exposed = {"tp": slowest.blocking_comm_ns["tp"] * micro, "ep": slowest.blocking_comm_ns["ep"] * micro,
+               "pp_bubble": pipeline_ns - busiest.compute_ns,
+               "dp": max(slowest.data_parallel_end_ns - slowest.pipeline_end_ns, 0.0),
+               "zero_gather": slowest.zero_gather_ns, "optimizer": slowest.optimizer_ns}
+    ranks_per_stage = p.tp * p.dp
+    model_flops = sum(f[0] for f in flops) * micro * ranks_per_stage
+    hardware_flops = sum(f[1] for f in flops) * micro * ranks_per_stage
+    return ClusterStep(parallel=p, micro_batch=micro_batch, seq=seq, step_ns=slowest.end_ns, pipeline_ns=pipeline_ns,
+                       bubble_fraction=1 - busiest.compute_ns / pipeline_ns if pipeline_ns else 0.0,
+                       exposed_ns=exposed, model_flops=model_flops, hardware_flops=hardware_flops,
+                       peak_flops_per_s=device.matmul_flops_per_s[dtype], devices=devices, device_passes=passes,
+                       data_parallel_spans=spans, device_units=[layout[1] for layout in layouts])
+
+
+def _pass_ns(units: list[Unit], phase: str, p: Parallel, device: DeviceProfile) -> float:
+    phases = (FORWARD,) if phase == FORWARD else (INPUT_GRAD, WEIGHT_GRAD)
+    compute = sum(u.costs[ph][0] for u in units for ph in phases)
+    return compute + sum(comm_ns(c, p, device) for u in units for c in u.comms[phase])
+
+
+def _blocking_comm(chunks: list[list[Unit]], p: Parallel, device: DeviceProfile) -> dict[str, float]:
+    """Per micro-batch, forward and backward, every chunk: the tensor- and expert-parallel collectives."""
+    out = {"tp": 0.0, "ep": 0.0}
+    for units in chunks:
+        for u in units:
+            for phase in (FORWARD, INPUT_GRAD):
+                for c in u.comms[phase]:
+                    out[c.group] = out.get(c.group, 0.0) + comm_ns(c, p, device)
+    return out
+
+
+def _flops(chunks: list[list[Unit]]) -> float:
+    return sum(u.costs[ph][1] for units in chunks for u in units for ph in (FORWARD, INPUT_GRAD, WEIGHT_GRAD))
+
+
+def _data_parallel(layout, mine: list[tuple], p: Parallel, device: DeviceProfile):
+    """Each bucket starts once the last backward of its chunk has passed the unit that completes it."""
+    chunks, with_dp = layout
+    chunk_of = {id(u): c for c, units in enumerate(chunks) for u in units}
+    done = {}
+    for kind, chunk, _, start, _ in mine:
+        if kind == BACKWARD:
+            done[chunk] = start  # passes are in order: the last one stays
+    free, ready, spans = 0.0, 0.0, []
+    for unit in reversed(with_dp):
+        if unit.block != "dp":
+            c = chunk_of.get(id(unit), 0)
+            done[c] += sum(unit.costs[ph][0] for ph in (INPUT_GRAD, WEIGHT_GRAD)) + sum(
+                comm_ns(x, p, device) for x in unit.comms[INPUT_GRAD])
+            ready = done[c]
+            continue
+        for c in unit.comms[WEIGHT_GRAD]:
+            if c.type == ALLGATHER:
+                continue  # ZeRO's parameter gathers: after the optimizer, or beside each pass (ZeRO 3)
+            start = max(ready, free)
+            free = start + comm_ns(c, p, device)
+            spans.append((unit.name, start, free, c.bytes))
+    return max(free, mine[-1][4]), spans
+
+
+def _zero3_gather_ns(with_dp: list[Unit], p: Parallel, device: DeviceProfile) -> tuple[float, float]:
+    forward = sum(comm_ns(c, p, device) for u in with_dp if u.block == "dp" and u.name.endswith("_forward")
+                  for c in u.comms[WEIGHT_GRAD])
+    backward = sum(comm_ns(c, p, device) for u in with_dp if u.block == "dp" and u.name.endswith("_backward")
+                   for c in u.comms[WEIGHT_GRAD])
+    return forward, backward
+
+
+def _optimizer_ns(chunks: list[list[Unit]], p: Parallel, dtype: str, grad_dtype: str, device: DeviceProfile) -> float:
+    parameters = sum(g.elements for units in chunks for u in units for g in u.grads)
+    if p.zero >= 1:
+        parameters /= p.dp
+    states = ADAM_BYTES_PER_PARAMETER["fp32" if dtype == "fp32" else "mixed"]
+    per_parameter = OPTIMIZER_PASSES * states + DTYPES[grad_dtype].itemsize + DTYPES[dtype].itemsize
+    return parameters * per_parameter / (device.memory_bytes_per_s * device.memory_efficiency) * 1e9
+

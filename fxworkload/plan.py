@@ -1,0 +1,206 @@
+"""``fxworkload plan``: every parallel layout of a model on N GPUs, filtered by memory, ranked by step time.
+
+A layout is TP x PP x DP (EP carved out of DP for a mixture of experts), with sequence
+parallelism whenever TP > 1, a ZeRO stage, a micro-batch size, activation recomputation and
+virtual pipeline stages. TP stays inside a node and divides the heads; PP divides the layers;
+the global batch (in sequences) is micro-batch x micro-batches x DP.
+
+The step of one micro-batch is captured once per distinct rank shape (TP, EP, micro-batch size;
+the graph cache keeps it for later runs) and every layout of that shape is evaluated from it:
+recomputation, the cluster's step (cluster/step.py) and each stage's memory. The shapes are
+spread over a local process pool, or over a Ray cluster with ``ray`` (the engine for a sweep
+that outgrows one machine): each shape is one task.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import socket
+import sys
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass, replace
+from types import SimpleNamespace
+
+from .errors import UserError
+
+MICRO_BATCH_SIZES = (1, 2, 4, 8)
+ZERO_STAGES = (0, 1, 2, 3)
+RECOMPUTE = ("none", "selective", "full")
+VIRTUAL_STAGES = (1, 2, 4)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What a capture depends on: the rank's share of the model and its micro-batch."""
+    tp: int
+    ep: int
+    micro_batch: int
+
+
+def candidate_layouts(gpus: int, global_batch: int, facts, gpus_per_node: int) -> tuple[dict, dict[str, int]]:
+    """Shape -> its layouts (Parallel), and how many combinations each rule turned away."""
+    from .parallel.layout import Parallel
+
+    dropped = {"tp does not divide the heads or exceeds a node": 0, "global batch does not divide": 0,
+               "virtual stages do not divide the layers or micro-batches": 0}
+    groups: dict[Shape, list] = {}
+    experts = facts.experts or 1
+    vocab_multiple = 1 if facts.vocab % 8 == 0 else 128
+    for tp, pp in itertools.product(_divisors(gpus), _divisors(facts.layers)):
+        if gpus % (tp * pp):
+            continue
+        if tp > gpus_per_node or facts.heads % tp or (facts.kv_heads and facts.kv_heads % tp):
+            dropped["tp does not divide the heads or exceeds a node"] += 1
+            continue
+        dp = gpus // (tp * pp)
+        for ep, b in itertools.product([e for e in _divisors(dp) if experts % e == 0], MICRO_BATCH_SIZES):
+            if ep > 1 and not facts.experts:
+                continue
+            if global_batch % (dp * b):
+                dropped["global batch does not divide"] += 1
+                continue
+            m = global_batch // (dp * b)
+            for zero, recompute, vpp in itertools.product(ZERO_STAGES, RECOMPUTE, VIRTUAL_STAGES):
+                if vpp > 1 and (pp == 1 or facts.layers % (pp * vpp) or m % pp):
+                    dropped["virtual stages do not divide the layers or micro-batches"] += 1
+                    continue
+                groups.setdefault(Shape(tp, ep, b), []).append(Parallel(
+                    dp=dp, tp=tp, pp=pp, ep=ep, sp=tp > 1, micro_batches=m, zero=zero, recompute=recompute,
+                    vpp=vpp, vocab_multiple=vocab_multiple))
+    return groups, dropped
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def evaluate_shape(model: str, shape: Shape, layouts: list, seq: int, dtype: str, device: str) -> list[dict]:
+    """Capture (or read from the cache) one rank shape and evaluate each of its layouts."""
+    from .cluster.step import cluster_step
+    from .dtypes import DTYPES
+    from .parallel.memory import rank_memory
+    from .parallel.rank import RankWorkload
+    from .parallel.recompute import with_recompute
+    from .pipeline import extract
+
+    first = layouts[0]
+    base = extract(model, batch=shape.micro_batch, seq=seq, dtype=dtype, device=device,
+                   parallel=replace(first, pp=1, vpp=1, pp_layers=None, micro_batches=1, zero=0, recompute="none",
+                                    recompute_layers=None))
+    facts, captured, profile = base.facts, base.model_workload, base.device
+    saved_bytes = captured.saved_bytes
+    recomputed, peaks = {}, {}
+    rows = []
+    for p in layouts:
+        key = (p.recompute, p.sp)
+        if key not in recomputed:
+            layer_input = shape.micro_batch * seq * facts.hidden * DTYPES[dtype].itemsize // (p.tp if p.sp else 1)
+            recomputed[key] = with_recompute(captured, p, facts.stack, facts.layers, layer_input)
+            peaks[key] = SimpleNamespace(saved_bytes=recomputed[key][0].saved_bytes,  # summed once, not per stage
+                                         activation_peak_bytes=recomputed[key][0].activation_peak_bytes,
+                                         step_peak_bytes=recomputed[key][0].step_peak_bytes)
+        workload, regenerated = recomputed[key]
+        step = cluster_step(facts, workload, captured, p, shape.micro_batch, seq, dtype, dtype, profile)
+        peak = 0
+        for d in sorted({0, p.pp - 1}):  # the first stage holds the most micro-batches, the last the head
+            rank = RankWorkload(parallel=replace(p, stage=d), units=step.device_units[d], layers=range(0),
+                                pp_comm_bytes=0)
+            memory = rank_memory(rank, peaks[key], dtype, dtype, saved_bytes, regenerated,
+                                 profile.memory_capacity_bytes)
+            peak = max(peak, memory.total_peak_bytes)
+        rows.append({"tp": p.tp, "pp": p.pp, "dp": p.dp, "ep": p.ep, "sp": p.sp, "vpp": p.vpp, "zero": p.zero,
+                     "recompute": p.recompute, "micro_batch": shape.micro_batch, "micro_batches": p.micro_batches,
+                     "step_ms": step.step_ns / 1e6, "mfu": step.mfu, "hfu": step.hfu,
+                     "tflops_per_gpu": step.tflops_per_gpu, "tokens_per_s_per_gpu": step.tokens_per_s_per_gpu,
+                     "bubble": step.bubble_fraction, "peak_bytes": peak,
+                     "fits": peak <= profile.memory_capacity_bytes if profile.memory_capacity_bytes else None})
+    return rows
+
+
+def plan(model: str, gpus: int, global_batch: int, seq: int, device: str = "h100-sxm", dtype: str = "bf16",
+         workers: int | None = None, ray: str | None = None, progress: bool = False) -> dict:
+    from .pipeline import load_device
+
+    if gpus < 1 or global_batch < 1:
+        raise UserError(f"--gpus and --global-batch must be positive, got {gpus} and {global_batch}")
+    profile = load_device(device)
+    if not (profile.intra_node_bytes_per_s and profile.inter_node_bytes_per_s and profile.memory_capacity_bytes):
+        raise UserError(f"device '{profile.name}' lacks interconnect or memory figures a plan needs; use a GPU "
+                        "profile such as --device h100-sxm")
+    facts = _facts(model, dtype)
+    groups, dropped = candidate_layouts(gpus, global_batch, facts, profile.gpus_per_node)
+    if not groups:
+        raise UserError(f"no layout of {gpus} GPUs runs {facts.name} with global batch {global_batch}: tensor "
+                        f"parallelism must divide its {facts.heads} heads within a node of {profile.gpus_per_node}, "
+                        f"pipeline stages its {facts.layers} layers, and data parallelism x micro-batch the global "
+                        "batch; choose a GPU count and batch those divide")
+    rows = _run(model, groups, seq, dtype, device, workers, ray, progress)
+    fitting = sorted((r for r in rows if r["fits"]), key=lambda r: (r["step_ms"], -r["mfu"]))
+    dropped["does not fit in memory"] = sum(1 for r in rows if not r["fits"])
+    return {"model": facts.name, "gpus": gpus, "global_batch": global_batch, "seq": seq, "dtype": dtype,
+            "device": profile.name, "evaluated": len(rows), "shapes": len(groups), "dropped": dropped,
+            "ranked": fitting}
+
+
+def _facts(model: str, dtype: str):
+    from .capture import models
+    from .dtypes import DTYPES
+    from .parallel.facts import model_facts
+
+    spec = models.resolve(model)
+    return model_facts(spec, models.build_meta_model(spec, DTYPES[dtype]))
+
+
+def _run(model, groups, seq, dtype, device, workers, ray_address, progress) -> list[dict]:
+    from tqdm import tqdm
+
+    bar = tqdm(total=sum(len(v) for v in groups.values()), unit="layout", leave=False,
+               disable=not (progress and sys.stderr.isatty()))  # a bar for a person, not for a log
+    rows = []
+    if ray_address is not None:
+        ray = _ray(ray_address)
+        task = ray.remote(evaluate_shape)
+        pending = {task.remote(model, shape, layouts, seq, dtype, device): len(layouts)
+                   for shape, layouts in groups.items()}
+        while pending:
+            ready, _ = ray.wait(list(pending), num_returns=1)
+            rows += ray.get(ready[0])
+            bar.update(pending.pop(ready[0]))
+    else:
+        count = workers or min(len(groups), os.cpu_count() or 1)
+        with ProcessPoolExecutor(max_workers=count) as pool:
+            futures = {pool.submit(evaluate_shape, model, shape, layouts, seq, dtype, device): len(layouts)
+                       for shape, layouts in groups.items()}
+            for future in as_completed(futures):
+                rows += future.result()
+                bar.update(futures[future])
+    bar.close()
+    return rows
+
+
+def _ray(address: str):
+    try:
+        import ray
+    except ImportError:
+        raise UserError("--ray needs Ray: pip install 'fxworkload[ray]'") from None
+    if not ray.is_initialized():
+        _probe(address)
+        try:
+            ray.init(address=address, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+        except (ConnectionError, RuntimeError, ValueError) as exc:
+            raise UserError(f"--ray {address}: cannot reach a Ray cluster there ({str(exc).splitlines()[0][:100]}); "
+                            "start one with 'ray start --head' or leave --ray out for a local process pool") from None
+    return ray
+
+
+def _probe(address: str) -> None:
+    """Ray retries an unreachable head for a minute; a closed port is known at once."""
+    if address in ("auto", "local") or address.startswith("ray://"):
+        return
+    host, _, port = address.rpartition(":")
+    try:
+        socket.create_connection((host or "127.0.0.1", int(port)), timeout=5).close()
+    except (OSError, ValueError) as exc:
+        raise UserError(f"--ray {address}: cannot reach a Ray cluster there ({exc}); start one with "
+                        "'ray start --head' or leave --ray out for a local process pool") from None

@@ -1,0 +1,45 @@
+"""Collective times: NCCL's ring / Simple cost model (src/graph/tuning.cc), computed by hand."""
+
+from __future__ import annotations
+
+import pytest
+
+from fxworkload.cluster.network import collective_ns, group_layout, p2p_ns
+from fxworkload.cost import devices
+from fxworkload.parallel.layout import Parallel
+
+
+def test_all_reduce_inside_a_node_by_hand():
+    h100 = devices.load("h100-sxm")
+    nbytes = 1 << 30
+    # 8 ranks: 14 steps of 3.4 us on NVLink after the 8.4 us base; bus bandwidth x 8 / 14
+    expected = 8_400 + 14 * 3_400 + nbytes / (h100.intra_node_bytes_per_s * 8 / 14) * 1e9
+    assert collective_ns("ALLREDUCE", nbytes, 8, 1, h100) == pytest.approx(expected)
+
+
+def test_all_gather_across_nodes_by_hand():
+    h100 = devices.load("h100-sxm")
+    nbytes = 256 << 20
+    # 64 ranks on 8 nodes: 63 steps, 7 of them between nodes; the network's per-GPU bandwidth
+    expected = 8_400 + 56 * 3_400 + 7 * 9_600 + nbytes / (h100.inter_node_bytes_per_s * 64 / 63) * 1e9
+    assert collective_ns("ALLGATHER", nbytes, 64, 8, h100) == pytest.approx(expected)
+    assert collective_ns("ALLGATHER", nbytes, 1, 1, h100) == 0.0
+
+
+def test_megatron_rank_order_places_groups():
+    p = Parallel(tp=8, dp=16, pp=4, ep=4)
+    assert group_layout("tp", p, 8) == (8, 1)  # one node
+    assert group_layout("dp", p, 8) == (16, 16)  # stride 8: a rank on each of 16 nodes
+    assert group_layout("ep", p, 8) == (4, 4)
+    assert group_layout("dp_ep", p, 8) == (4, 16)
+    assert group_layout("tp", Parallel(tp=2, dp=4), 8) == (2, 1)
+    assert group_layout("dp", Parallel(tp=2, dp=4), 8) == (4, 1)  # 8 GPUs: one node
+
+
+def test_pipeline_transfer():
+    h100 = devices.load("h100-sxm")
+    assert p2p_ns(1 << 20, Parallel(pp=1), h100) == 0.0
+    across = p2p_ns(1 << 20, Parallel(tp=8, pp=2), h100)
+    assert across == pytest.approx(8_400 + 9_600 + (1 << 20) / h100.inter_node_bytes_per_s * 1e9)
+    inside = p2p_ns(1 << 20, Parallel(tp=2, pp=2), h100)
+    assert inside == pytest.approx(8_400 + 3_400 + (1 << 20) / h100.intra_node_bytes_per_s * 1e9)

@@ -1,0 +1,81 @@
+"""The cluster step against hand sums, the SimAI file of the same layout, and Megatron's FLOP formula."""
+
+from __future__ import annotations
+
+import pytest
+from transformers import GPT2Config
+
+from fxworkload.capture.trace import PHASES
+from fxworkload.formats.simai import from_rank
+from fxworkload.parallel.layout import Parallel
+from fxworkload.pipeline import extract
+
+from ..conftest import tiny_config
+
+
+def test_one_gpu_step_is_its_passes_and_the_optimizer(tiny_dirs):
+    result = extract(str(tiny_dirs["llama"]), batch=2, seq=16, device="h100-sxm",
+                     parallel=Parallel(micro_batches=3))
+    cluster = result.cluster
+    per_micro_batch = sum(result.workload.totals[f"{ph}_estimated_ns"] for ph in PHASES)
+    assert cluster.step_ns == pytest.approx(3 * per_micro_batch + cluster.exposed_ns["optimizer"])
+    assert cluster.bubble_fraction == pytest.approx(0.0) and cluster.exposed_ns["dp"] == 0.0
+    flops = sum(result.workload.totals[f"{ph}_flops"] for ph in PHASES)
+    assert cluster.model_flops == 3 * flops == cluster.hardware_flops
+    assert cluster.tokens == 2 * 16 * 3
+    parameters = result.workload.totals["parameters"]
+    # Adam in mixed precision? fp32 here: 2 x 8 state bytes + fp32 gradient + fp32 parameter per parameter
+    assert cluster.exposed_ns["optimizer"] == pytest.approx(
+        parameters * (16 + 4 + 4) / (result.device.memory_bytes_per_s * result.device.memory_efficiency) * 1e9)
+
+
+def test_simai_file_and_cluster_step_agree_on_each_ranks_compute(tiny_dirs):
+    layout = dict(tp=2, pp=2, dp=2, micro_batches=4)
+    for stage in range(2):
+        result = extract(str(tiny_dirs["llama"]), batch=1, seq=16, dtype="bf16", device="h100-sxm",
+                         parallel=Parallel(**layout, stage=stage))
+        simai = from_rank(result.rank)
+        simai_ns = 4 * sum(r.forward_ns + r.input_grad_ns + r.weight_grad_ns for r in simai.rows)
+        device = result.cluster.devices[stage]
+        compute_ns = device.compute_ns - 4 * sum(device.blocking_comm_ns.values())
+        assert compute_ns == pytest.approx(simai_ns, abs=4 * len(simai.rows))  # SimAI rounds each row to 1 ns
+
+
+def test_model_flops_follow_megatrons_formula(tmp_path):
+    """Narayanan et al. 2021, eq. 3 without recomputation: 72·B·s·l·h²·(1 + s/6h + V/16lh) per step."""
+    layers, hidden, seq, vocab, batch = 4, 512, 256, 8192, 4
+    GPT2Config(n_layer=layers, n_embd=hidden, n_head=8, vocab_size=vocab, n_positions=seq,
+               architectures=["GPT2LMHeadModel"]).save_pretrained(tmp_path)
+    result = extract(str(tmp_path), batch=batch, seq=seq, dtype="bf16", device="h100-sxm")
+    formula = 72 * batch * seq * layers * hidden ** 2 * (1 + seq / (6 * hidden) + vocab / (16 * layers * hidden))
+    assert result.cluster.model_flops == pytest.approx(formula, rel=0.1)
+
+
+def test_recomputation_raises_hfu_not_mfu(tiny_dirs):
+    plain = extract(str(tiny_dirs["gpt2"]), batch=2, seq=16, device="h100-sxm", parallel=Parallel(micro_batches=2))
+    full = extract(str(tiny_dirs["gpt2"]), batch=2, seq=16, device="h100-sxm",
+                   parallel=Parallel(micro_batches=2, recompute="full"))
+    assert full.cluster.model_flops == pytest.approx(plain.cluster.model_flops)
+    assert full.cluster.hardware_flops > full.cluster.model_flops
+    assert full.cluster.hfu > full.cluster.mfu
+    assert full.cluster.step_ns > plain.cluster.step_ns
+
+
+def test_interleaving_shrinks_the_bubble(tmp_path):
+    tiny_config("llama", num_hidden_layers=4).save_pretrained(tmp_path)
+    base = dict(pp=2, micro_batches=4)
+    one = extract(str(tmp_path), batch=1, seq=16, device="h100-sxm", parallel=Parallel(**base)).cluster
+    two = extract(str(tmp_path), batch=1, seq=16, device="h100-sxm", parallel=Parallel(**base, vpp=2)).cluster
+    assert two.bubble_fraction < one.bubble_fraction
+    assert [len([x for x in two.passes if x.device == d]) for d in range(2)] == [2 * 2 * 4] * 2
+
+
+def test_data_parallel_reduction_overlaps_backward(tiny_dirs):
+    """Buckets reduce while the last backward runs: what is exposed is at most their total."""
+    result = extract(str(tiny_dirs["llama"]), batch=2, seq=16, device="h100-sxm", parallel=Parallel(dp=4, bucket_mb=0))
+    cluster = result.cluster
+    spans = cluster.data_parallel_spans
+    assert spans and all(end > start for _, _, start, end, _ in spans)
+    total = sum(end - start for _, _, start, end, _ in spans)
+    assert 0 <= cluster.exposed_ns["dp"] < total
+    assert spans[0][2] < cluster.pipeline_ns  # the first bucket starts before backward ends
