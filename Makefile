@@ -10,7 +10,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	# torch first, pinned: this machine has its CPU wheel; an unpinned torch pulls a multi-GB CUDA build
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[test,plot,traces,ray]'
+	$(BIN)/pip install --quiet -e '.[test,plot,traces,ray,chakra]'
 	touch $(STAMP)
 
 run: $(STAMP)

@@ -11,7 +11,7 @@
 
 Left unsaid by the papers and chosen here as plan would: the micro-batch size (1, 2 or 4), the
 virtual stages of the interleaved schedule (1, 2 or 4 where they divide), recomputation (full or
-selective for Megatron, none or selective for Llama 3), ZeRO 1 (the distributed optimizer), and
+selective for Megatron, none, selective or full for Llama 3), ZeRO 1 (the distributed optimizer), and
 for Llama 3 the uneven first and last stages (126 layers on 16 stages: 7, 8 x 14, 7); the
 fastest layout that fits is kept.
 
@@ -77,7 +77,7 @@ def llama_row(name: str, root: Path) -> list:
     if not folder.exists():
         LlamaConfig(**{k: v for k, v in LLAMA_405B.items() if k != "model_type"}).save_pretrained(folder)
     best = best_layout(str(folder), tp, pp, dp, dp * per_dp, 8192, "bf16", "h100-sxm", 126,
-                       recompute=("none", "selective"), pp_layers=(7, *[8] * 14, 7))
+                       recompute=("none", "selective", "full"), pp_layers=(7, *[8] * 14, 7))
     return [f"Llama 3 {name}", f"tp{tp} pp{pp} dp{dp}", tp * pp * dp, describe(best), published,
             f"{best['tflops_per_gpu']:.0f}", f"{100 * (best['tflops_per_gpu'] / published - 1):+.1f}%"]
 

@@ -42,7 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
                          help="trace every decoder layer instead of one layer standing for all identical ones")
     extract.add_argument("--format", default="tables",
                          help="what to write, comma-separated: tables (workload.tsv, workload.json), "
-                              "simai (workload.simai.txt), chrome-trace (workload.trace.json); default tables")
+                              "simai (workload.simai.txt), chrome-trace (workload.trace.json), chakra (workload.<rank>.et, "
+                              "one Chakra execution trace per rank); default tables")
     _add_parallel_arguments(extract)
     extract.add_argument("--out", type=_out_dir, default=None,
                          help="output folder, replaced whole by this run (default outputs/<name>/)")
@@ -196,7 +197,10 @@ def run_extract(args) -> int:
     parallel = _parallel(args)
     _check_out(args)
     _quiet_transformers()
-    if "chrome-trace" in formats:
+    if "chakra" in formats:
+        from .formats.chakra import check_world
+        check_world(parallel)
+    if "chrome-trace" in formats or "chakra" in formats:
         from .formats.chrome_trace import check_device
         from .pipeline import load_device
         check_device(load_device(args.device), parallel)

@@ -37,7 +37,7 @@ from .workload import cache as graph_cache
 from .workload.table import Workload, recost
 
 
-FORMATS = ("tables", "simai", "chrome-trace")
+FORMATS = ("tables", "simai", "chrome-trace", "chakra")
 
 
 @dataclass
@@ -85,9 +85,9 @@ class Extraction:
                      "collectives of an N-replica run\n")
         return text
 
-    def files(self, formats=("tables",)) -> dict[str, str]:
+    def files(self, formats=("tables",)) -> dict[str, str | bytes]:
         """File name -> content of each format: tables (workload.tsv, workload.json), simai
-        (workload.simai.txt), chrome-trace (workload.trace.json)."""
+        (workload.simai.txt), chrome-trace (workload.trace.json), chakra (workload.<rank>.et each)."""
         from .formats.tables import json_text, tsv_text
 
         formats = check_formats(formats)
@@ -103,6 +103,9 @@ class Extraction:
         if "chrome-trace" in formats:
             from .formats.chrome_trace import trace_json
             files["workload.trace.json"] = trace_json(self.rank, self.device, self.cluster)
+        if "chakra" in formats:
+            from .formats.chakra import chakra_files
+            files.update(chakra_files(self.cluster))
         return files
 
     def write(self, out: str | Path, formats=("tables",)) -> list[Path]:

@@ -67,6 +67,9 @@ class ClusterStep:
     device_passes: list[list[tuple]] = field(repr=False)  # per device: (kind, chunk, micro-batch, start, end)
     data_parallel_spans: list[tuple[int, str, float, float, int]] = field(repr=False)  # device, name, start, end, bytes
     device_units: list[list[Unit]] = field(repr=False, default_factory=list)  # per device, dp rows included
+    device_chunks: list[list[list[Unit]]] = field(repr=False, default_factory=list)  # per device, its model chunks
+    boundary_bytes: int = 0  # one activation sent between pipeline stages
+    profile: DeviceProfile | None = field(repr=False, default=None)
 
     @property
     def passes(self) -> list[Pass]:
@@ -198,7 +201,8 @@ def cluster_step(facts: ModelFacts, workload: Workload, model_workload: Workload
                        bubble_fraction=1 - busiest.compute_ns / pipeline_ns if pipeline_ns else 0.0,
                        exposed_ns=exposed, model_flops=model_flops, hardware_flops=hardware_flops,
                        peak_flops_per_s=device.matmul_flops_per_s[dtype], devices=devices, device_passes=passes,
-                       data_parallel_spans=spans, device_units=[layout[1] for layout in layouts])
+                       data_parallel_spans=spans, device_units=[layout[1] for layout in layouts],
+                       device_chunks=[layout[0] for layout in layouts], boundary_bytes=boundary, profile=device)
 
 
 def _pass_ns(units: list[Unit], phase: str, p: Parallel, device: DeviceProfile) -> float:

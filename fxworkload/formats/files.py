@@ -29,6 +29,13 @@ MANIFEST = "manifest.json"
 OUR_FILES = frozenset({MANIFEST, "workload.tsv", "workload.json", "workload.simai.txt", "workload.trace.json",
                        "measured.tsv", "measured.json", "comparison.json", "comparison.txt", "comparison.png",
                        "plan.json", "plan.txt"})
+CHAKRA_FILE = re.compile(r"^workload\.\d+\.et$")  # one Chakra execution trace per rank
+
+
+def is_ours(name: str) -> bool:
+    return name in OUR_FILES or bool(CHAKRA_FILE.match(name))
+
+
 _TEMP = re.compile(r"^\.(?P<name>.+)\.fxworkload-(?P<pid>\d+)-[A-Za-z0-9_]+$")
 
 
@@ -53,7 +60,7 @@ def check_out_dir(out: Path) -> None:
     parent = out.resolve().parent
     if not os.access(parent, os.W_OK | os.X_OK):
         raise UserError(f"cannot replace output folder {out} (its parent {parent} is not writable); choose another --out")
-    foreign = sorted(entry.name for entry in _entries(out) if entry.name not in OUR_FILES or not entry.is_file())
+    foreign = sorted(entry.name for entry in _entries(out) if not is_ours(entry.name) or not entry.is_file())
     if foreign:
         raise UserError(f"--out {out} holds files fxworkload did not write ({foreign[0]}"
                         f"{f' and {len(foreign) - 1} more' if len(foreign) > 1 else ''}); a run replaces its "

@@ -166,7 +166,9 @@ def cluster_summary_text(cluster) -> str:
     schedule = "no pipeline" if p.pp == 1 else (f"1F1B over {p.pp} stages" if p.vpp == 1
                                                 else f"interleaved 1F1B, {p.pp} stages x {p.vpp} chunks")
     exposed = cluster.exposed_ns
-    lines = [[f"cluster step ms ({p.world} GPUs, {schedule}, {p.micro_batches} micro-batches)",
+    gpus = f"{p.world} GPU{'s' if p.world > 1 else ''}"
+    micro = f"{p.micro_batches} micro-batch{'es' if p.micro_batches > 1 else ''}"
+    lines = [[f"cluster step ms ({gpus}, {schedule}, {micro})",
               f"{cluster.step_ns / 1e6:.3f}"],
              ["pipeline bubble (busiest stage idle)", f"{100 * cluster.bubble_fraction:.1f}%"],
              ["exposed ms: tp / ep collectives (blocking)", f"{exposed['tp'] / 1e6:.3f} / {exposed['ep'] / 1e6:.3f}"],
