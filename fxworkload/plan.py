@@ -46,7 +46,6 @@ def candidate_layouts(gpus: int, global_batch: int, facts, gpus_per_node: int) -
                "virtual stages do not divide the layers or micro-batches": 0}
     groups: dict[Shape, list] = {}
     experts = facts.experts or 1
-    vocab_multiple = 1 if facts.vocab % 8 == 0 else 128
     for tp, pp in itertools.product(_divisors(gpus), _divisors(facts.layers)):
         if gpus % (tp * pp):
             continue
@@ -54,6 +53,7 @@ def candidate_layouts(gpus: int, global_batch: int, facts, gpus_per_node: int) -
             dropped["tp does not divide the heads or exceeds a node"] += 1
             continue
         dp = gpus // (tp * pp)
+        vocab_multiple = 1 if facts.vocab % tp == 0 else 128  # pad as Megatron-LM does
         for ep, b in itertools.product([e for e in _divisors(dp) if experts % e == 0], MICRO_BATCH_SIZES):
             if ep > 1 and not facts.experts:
                 continue
