@@ -33,6 +33,7 @@ from .parallel.layout import check_sequence, check_values
 from .parallel.memory import RankMemory, rank_memory
 from .parallel.rank import RankWorkload, rank_workload
 from .parallel.recompute import with_recompute
+from .parallel.sequence_parallel import with_sequence_parallel
 from .workload import cache as graph_cache
 from .workload.table import Workload, recost
 
@@ -182,7 +183,8 @@ def extract(model: str, batch: int = 1, seq: int | None = None, dtype: str = "fp
     facts = replace(facts, name=name)  # the cache is keyed by config: another path may share the step
     check_sequence(parallel, seq)
     say(f"costing on {profile.name}...")
-    workload = captured = recost(workload, profile)
+    workload = captured = with_sequence_parallel(recost(workload, profile), parallel, facts.stack,
+                                                 facts.row_parallel, profile.kernel_launch_ns)
     captured_saved_bytes = workload.saved_bytes
     layer_input_bytes = batch * seq * facts.hidden * DTYPES[dtype].itemsize // (parallel.tp if parallel.sp else 1)
     workload, regenerated_bytes = with_recompute(workload, parallel, facts.stack, facts.layers, layer_input_bytes)

@@ -55,16 +55,19 @@ def test_the_one_layer_fast_path_gives_the_every_layer_peaks(tmp_path):
         full.step_peak_bytes, full.activation_peak_bytes, full.saved_bytes)
 
 
-@pytest.mark.parametrize("tp, sbh_bytes_per_layer", [(1, 34), (2, 10 + 24 / 2)])
-def test_a_megatron_shaped_gpt_saves_what_korthikanti_counts(tp, sbh_bytes_per_layer, tmp_path):
+@pytest.mark.parametrize("tp, sp, sbh_bytes_per_layer", [(1, False, 34), (2, False, 10 + 24 / 2), (2, True, 34 / 2),
+                                                         (4, True, 34 / 4)])
+def test_a_megatron_shaped_gpt_saves_what_korthikanti_counts(tp, sp, sbh_bytes_per_layer, tmp_path):
     """Korthikanti et al. 2022: a GPT layer saves sbh(34 + 5as/h) bytes in 16-bit (masks 1 byte);
     with a fused attention kernel the 5as/h term (scores, softmax, its dropout) is not stored, as
-    with their selective recomputation: sbh·34, and sbh(10 + 24/t) with tensor parallelism t.
+    with their selective recomputation: sbh·34, sbh(10 + 24/t) with tensor parallelism t, and
+    sbh·34/t with sequence parallelism too.
     HF GPT-2 with exact GELU and dropout 0.1 is that layer; traced as an H100 runs it."""
     hidden, heads, seq, batch = 256, 4, 128, 2
     CONFIG_MAPPING["gpt2"](n_layer=2, n_embd=hidden, n_head=heads, vocab_size=512, n_positions=256,
                            activation_function="gelu").save_pretrained(tmp_path)
-    result = extract(str(tmp_path), batch=batch, seq=seq, dtype="bf16", device="h100-sxm", parallel=Parallel(tp=tp))
+    result = extract(str(tmp_path), batch=batch, seq=seq, dtype="bf16", device="h100-sxm",
+                     parallel=Parallel(tp=tp, sp=sp))
     per_layer = collections.Counter()
     for row in result.workload.node_rows:
         per_layer[layer_of(row.module, result.facts.stack)] += row.saved_bytes

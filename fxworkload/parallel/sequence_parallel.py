@@ -1,0 +1,63 @@
+"""Sequence parallelism (Korthikanti et al. 2022): the ops outside the tensor-parallel regions run
+on seq / tp of the tokens.
+
+Megatron-LM splits the sequence over the tensor-parallel group between a block's row-parallel
+output (reduce-scattered) and the next block's column-parallel input (all-gathered): the layer
+norms, dropouts and residual adds, and the final norm before the head. Each rank computes and
+keeps 1/tp of them; the column-parallel GEMM's input is kept as that shard too (it is gathered
+again in backward). The traced rank's graph holds them whole, so here each such row's FLOPs,
+bytes, time above the per-op overhead and saved bytes are divided by tp. A row is outside the
+region from the end of a row-parallel module (or the start of a layer) until the next GEMM.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from ..workload.layers import layer_of
+from ..workload.table import NodeRow, OpCost, Workload
+from .layout import Parallel
+
+
+def with_sequence_parallel(workload: Workload, parallel: Parallel, stack: str | None, row_parallel: tuple[str, ...],
+                           overhead_ns: float) -> Workload:
+    if not parallel.sp or parallel.tp == 1:
+        return workload
+    tp = parallel.tp
+    scaled: dict[int, OpCost] = {}
+
+    def share(op: OpCost) -> OpCost:
+        if id(op) not in scaled:
+            rest = max(op.estimated_ns - overhead_ns, 0.0)
+            scaled[id(op)] = replace(op, flops=op.flops // tp, bytes=op.bytes // tp,
+                                     estimated_ns=op.estimated_ns - rest + rest / tp)
+        return scaled[id(op)]
+
+    rows, outside, previous = [], False, None
+    for row in workload.rows:
+        if not isinstance(row, NodeRow):
+            rows.append(row)
+            continue
+        if previous is not None and _splits_after(previous, row, stack, row_parallel):
+            outside = True
+        if row.forward.kind == "matmul":
+            outside = False
+        if outside:
+            row = replace(row, forward=share(row.forward), input_grad=[share(op) for op in row.input_grad],
+                          weight_grad=[share(op) for op in row.weight_grad], saved_bytes=row.saved_bytes // tp)
+        rows.append(row)
+        previous = row
+    return replace(workload, rows=rows)
+
+
+def _splits_after(previous: NodeRow, row: NodeRow, stack: str | None, row_parallel: tuple[str, ...]) -> bool:
+    """Whether the sequence is split from ``row`` on: a new layer, the head after the last layer,
+    or the first op past a row-parallel module."""
+    before, here = layer_of(previous.module, stack), layer_of(row.module, stack)
+    if before != here and (here is not None or before is not None):
+        return True
+    return _within(previous.module, row_parallel) and not _within(row.module, row_parallel)
+
+
+def _within(module: str, paths: tuple[str, ...]) -> bool:
+    return any(module == path or module.startswith(path + ".") for path in paths)
