@@ -6,8 +6,9 @@ output (reduce-scattered) and the next block's column-parallel input (all-gather
 norms, dropouts and residual adds, and the final norm before the head. Each rank computes and
 keeps 1/tp of them; the column-parallel GEMM's input is kept as that shard too (it is gathered
 again in backward). The traced rank's graph holds them whole, so here each such row's FLOPs,
-bytes, time above the per-op overhead and saved bytes are divided by tp. A row is outside the
-region from the end of a row-parallel module (or the start of a layer) until the next GEMM.
+bytes, time above the per-op overhead and saved bytes are divided by tp, and the step's memory
+peaks lose what those saves lost. A row is outside the region from the end of a row-parallel
+module (or the start of a layer) until the next GEMM.
 """
 
 from __future__ import annotations
@@ -47,7 +48,10 @@ def with_sequence_parallel(workload: Workload, parallel: Parallel, stack: str | 
                           weight_grad=[share(op) for op in row.weight_grad], saved_bytes=row.saved_bytes // tp)
         rows.append(row)
         previous = row
-    return replace(workload, rows=rows)
+    # The step's peaks were read off the whole-sequence graph: they hold the same saves, less now.
+    removed = workload.saved_bytes - sum(r.saved_bytes for r in rows if isinstance(r, NodeRow))
+    return replace(workload, rows=rows, step_peak_bytes=max(workload.step_peak_bytes - removed, 0),
+                   activation_peak_bytes=max(workload.activation_peak_bytes - removed, 0))
 
 
 def _splits_after(previous: NodeRow, row: NodeRow, stack: str | None, row_parallel: tuple[str, ...]) -> bool:

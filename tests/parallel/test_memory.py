@@ -69,3 +69,13 @@ def test_the_fit_line_says_by_how_much_a_rank_misses():
                       total_peak_bytes=86 * gib, micro_batches_in_flight=1, capacity_bytes=80 * gib)
     assert over.fits is False
     assert describe_fit(over, "h100-sxm") == "86.00 GiB of 80.0 GiB: does NOT fit, 6.00 GiB over"
+
+
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_sequence_parallelism_only_ever_shrinks_a_ranks_memory(tiny_dirs, recompute):
+    """SP keeps 1/tp of the norms' and residuals' saves; the step's transient does not grow for it."""
+    plain, split = (extract(str(tiny_dirs["llama"]), batch=2, seq=16, dtype="bf16", device="h100-sxm",
+                            parallel=Parallel(tp=2, sp=sp, recompute=recompute)).memory for sp in (False, True))
+    assert split.activations_bytes < plain.activations_bytes or recompute == "full"
+    assert split.transient_bytes <= plain.transient_bytes
+    assert split.total_peak_bytes < plain.total_peak_bytes
