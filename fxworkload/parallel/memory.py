@@ -8,7 +8,8 @@ dtype's. ZeRO 1 divides the optimizer states over the data-parallel group, 2 the
 
 Activations: a micro-batch holds what its forward saved for backward (read off the joint graph,
 workload/memory.py) until its backward runs. Under 1F1B a stage holds min(pp - stage,
-micro-batches) of them at once (the first stage pp). The transient is what the step adds on top
+micro-batches) of them at once (the first stage pp); under the interleaved schedule the first
+stage holds pp(1 + (pp - 1)/(pp·vpp)) micro-batches' worth (Korthikanti et al. 2022). The transient is what the step adds on top
 of the saved activations at its peak (the loss's logits and the backward's gradients of
 activations), as the captured whole model's step shows it.
 """
@@ -55,12 +56,13 @@ def rank_memory(rank: RankWorkload, workload: Workload, dtype: str, grad_dtype: 
     expert = sum(g.elements for u in units for g in u.grads if is_expert(g.module))
     dense = sum(g.elements for u in units for g in u.grads) - expert
     grad_size = DTYPES[grad_dtype].itemsize
-    in_flight = min(p.pp - p.stage, p.micro_batches)
+    in_flight_chunks = _chunks_in_flight(p)
+    in_flight = -(-in_flight_chunks // p.vpp)
     saved = sum(row.saved_bytes for u in units for row in u.rows)
     dropped = captured_saved_bytes - workload.saved_bytes  # saves that recomputation gave up
     transient = max(workload.activation_peak_bytes - captured_saved_bytes, 0) + regenerated_bytes
     states = model_state_bytes(dense, expert, dtype, grad_dtype, p.zero, p.dp, p.ep)
-    activations = in_flight * saved
+    activations = saved * in_flight_chunks // p.vpp
     # one stage: the captured step is this rank's own, less what recomputation gives up; a stage of
     # several: its parts, added
     step_peak = workload.step_peak_bytes - dropped + regenerated_bytes if p.pp == 1 else (
@@ -69,6 +71,15 @@ def rank_memory(rank: RankWorkload, workload: Workload, dtype: str, grad_dtype: 
                       activations_bytes=activations, transient_bytes=transient, step_peak_bytes=step_peak,
                       total_peak_bytes=sum(states) + activations + transient, micro_batches_in_flight=in_flight,
                       capacity_bytes=capacity_bytes)
+
+
+def _chunks_in_flight(p) -> int:
+    """Forward passes of one model chunk (1/vpp of the stage) whose activations a stage holds at
+    its peak: Megatron's warm-up forwards plus one. 1F1B: pp - stage; interleaved, on the first
+    stage pp·vpp + pp - 1, i.e. pp(1 + (pp - 1)/(pp·vpp)) micro-batches (Korthikanti et al. 2022)."""
+    if p.vpp == 1:
+        return min(p.pp - p.stage, p.micro_batches)
+    return min((p.pp - p.stage - 1) * 2 + (p.vpp - 1) * p.pp + 1, p.micro_batches * p.vpp)
 
 
 def model_state_bytes(dense: int, expert: int, dtype: str, grad_dtype: str, zero: int, dp: int,

@@ -79,3 +79,18 @@ def test_sequence_parallelism_only_ever_shrinks_a_ranks_memory(tiny_dirs, recomp
     assert split.activations_bytes < plain.activations_bytes or recompute == "full"
     assert split.transient_bytes <= plain.transient_bytes
     assert split.total_peak_bytes < plain.total_peak_bytes
+
+
+@pytest.mark.parametrize("vpp", [1, 2, 4])
+def test_interleaving_holds_korthikantis_extra_share_of_activations(vpp, tmp_path):
+    """The first stage of p stages with v chunks holds p(1 + (p - 1)/(p·v)) micro-batches' worth;
+    without interleaving (1F1B), p."""
+    from ..conftest import tiny_config
+
+    tiny_config("llama", num_hidden_layers=8).save_pretrained(tmp_path)
+    pp = 2
+    result = extract(str(tmp_path), batch=1, seq=16, dtype="bf16", device="h100-sxm",
+                     parallel=Parallel(pp=pp, vpp=vpp, micro_batches=8))
+    saved = sum(row.saved_bytes for u in result.rank.units if u.block != "dp" for row in u.rows)
+    factor = pp * (1 + (pp - 1) / (pp * vpp)) if vpp > 1 else pp
+    assert result.memory.activations_bytes == pytest.approx(saved * factor, abs=1)
