@@ -201,7 +201,7 @@ def run_extract(args) -> int:
         from .formats.chakra import check_world
         check_world(parallel)
     if "chrome-trace" in formats or "chakra" in formats:
-        from .formats.chrome_trace import check_device
+        from .cluster.network import check_device
         from .pipeline import load_device
         check_device(load_device(args.device), parallel)
     result = extract(args.model, batch=args.batch, seq=args.seq, dtype=args.dtype, grad_dtype=args.grad_dtype,
@@ -234,13 +234,14 @@ def _check_out(args) -> None:
         check_out_dir(args.out)
 
 
-def _publish(out: Path, summary: str, files: dict[str, str], settings: dict) -> int:
-    """Replace the output folder with the files and their manifest (all or none), then print the summary."""
+def _publish(out: Path, summary: str, files: dict[str, str], settings: dict, also_written=()) -> int:
+    """Replace the output folder with the files and their manifest (all or none), then print the
+    summary and every path written (``also_written``: files outside the folder, such as --plot)."""
     from .formats.files import publish
 
     written = publish(out, files, settings)
     print(summary, end="")
-    print("\nwrote " + ", ".join(str(p) for p in written))
+    print("\nwrote " + ", ".join(str(p) for p in [*also_written, *written]))
     return 0
 
 
@@ -250,7 +251,7 @@ def _check_top(top: int) -> None:
 
 
 def run_compare(args) -> int:
-    from .formats.files import check_one_run, publish, write_file
+    from .formats.files import check_one_run, write_file
     from .measure.compare import (compare, comparison_json, is_megatron_log, load_document, load_measured, plot_png,
                                   report_text)
 
@@ -268,27 +269,21 @@ def run_compare(args) -> int:
     report = report_text(comparison, top=args.top)
     if args.plot is not None:
         write_file(args.plot, plot_png(comparison))
-    written = publish(out, {"comparison.json": comparison_json(comparison), "comparison.txt": report},
-                      {"estimated": estimated["path"], "measured": str(args.measured)})
-    print(report, end="")
-    print("\nwrote " + ", ".join(str(p) for p in [*([args.plot] if args.plot is not None else []), *written]))
-    return 0
+    return _publish(out, report, {"comparison.json": comparison_json(comparison), "comparison.txt": report},
+                    {"estimated": estimated["path"], "measured": str(args.measured)},
+                    also_written=[args.plot] if args.plot is not None else [])
 
 
 def _compare_log(args, estimated: dict, out: Path) -> int:
-    from .formats.files import publish
     from .measure.megatron_log import compare_log, log_report_text, parse, summarize
 
     if args.plot is not None:
         raise UserError("--plot draws op pairs; a Megatron log has phases, not ops: leave --plot out")
     result = compare_log(estimated, summarize(parse(args.measured), args.rank))
     report = log_report_text(result, estimated.get("settings", {}))
-    written = publish(out, {"comparison.json": json.dumps(result, indent=1, sort_keys=True) + "\n",
-                            "comparison.txt": report},
-                      {"estimated": estimated["path"], "measured": str(args.measured)})
-    print(report, end="")
-    print("\nwrote " + ", ".join(str(p) for p in written))
-    return 0
+    return _publish(out, report, {"comparison.json": json.dumps(result, indent=1, sort_keys=True) + "\n",
+                                  "comparison.txt": report},
+                    {"estimated": estimated["path"], "measured": str(args.measured)})
 
 
 def _stem(path: Path) -> str:
@@ -302,7 +297,6 @@ def _stem(path: Path) -> str:
 
 def run_plan(args) -> int:
     from .dtypes import check_settings
-    from .formats.files import publish
     from .formats.tables import plan_text
     from .plan import plan
 
@@ -316,11 +310,8 @@ def run_plan(args) -> int:
                   dtype=args.dtype, workers=args.workers, ray=args.ray, progress=True)
     text = plan_text(result, args.top)
     out = args.out or Path("outputs") / f"{result['model']}-plan-{args.gpus}"
-    written = publish(out, {"plan.json": json.dumps(result, indent=1, sort_keys=True) + "\n", "plan.txt": text},
-                      {k: result[k] for k in ("model", "gpus", "global_batch", "seq", "dtype", "device")})
-    print(text, end="")
-    print("\nwrote " + ", ".join(str(p) for p in written))
-    return 0
+    return _publish(out, text, {"plan.json": json.dumps(result, indent=1, sort_keys=True) + "\n", "plan.txt": text},
+                    {k: result[k] for k in ("model", "gpus", "global_batch", "seq", "dtype", "device")})
 
 
 def run_calibrate(args) -> int:

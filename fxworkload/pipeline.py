@@ -120,7 +120,7 @@ class Extraction:
         """The whole cluster's step (cluster/step.py): every stage's passes under the pipeline
         schedule, the collectives' times, MFU. Needs the profile's interconnect when world > 1."""
         from .cluster.step import cluster_step
-        from .formats.chrome_trace import check_device
+        from .cluster.network import check_device
 
         check_device(self.device, self.rank.parallel)
         s = self.settings

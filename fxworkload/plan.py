@@ -20,7 +20,6 @@ import socket
 import sys
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, replace
-from types import SimpleNamespace
 
 from .errors import UserError
 
@@ -90,23 +89,20 @@ def evaluate_shape(model: str, shape: Shape, layouts: list, seq: int, dtype: str
                                     recompute_layers=None))
     facts, captured, profile = base.facts, base.model_workload, base.device
     saved_bytes = captured.saved_bytes
-    recomputed, peaks = {}, {}
+    recomputed = {}
     rows = []
     for p in layouts:
         key = (p.recompute, p.sp)
         if key not in recomputed:
             layer_input = shape.micro_batch * seq * facts.hidden * DTYPES[dtype].itemsize // (p.tp if p.sp else 1)
             recomputed[key] = with_recompute(captured, p, facts.stack, facts.layers, layer_input)
-            peaks[key] = SimpleNamespace(saved_bytes=recomputed[key][0].saved_bytes,  # summed once, not per stage
-                                         activation_peak_bytes=recomputed[key][0].activation_peak_bytes,
-                                         step_peak_bytes=recomputed[key][0].step_peak_bytes)
         workload, regenerated = recomputed[key]
         step = cluster_step(facts, workload, captured, p, shape.micro_batch, seq, dtype, dtype, profile)
         peak = 0
         for d in sorted({0, p.pp - 1}):  # the first stage holds the most micro-batches, the last the head
             rank = RankWorkload(parallel=replace(p, stage=d), units=step.device_units[d], layers=range(0),
                                 pp_comm_bytes=0)
-            memory = rank_memory(rank, peaks[key], dtype, dtype, saved_bytes, regenerated,
+            memory = rank_memory(rank, workload, dtype, dtype, saved_bytes, regenerated,
                                  profile.memory_capacity_bytes)
             peak = max(peak, memory.total_peak_bytes)
         rows.append({"tp": p.tp, "pp": p.pp, "dp": p.dp, "ep": p.ep, "sp": p.sp, "vpp": p.vpp, "zero": p.zero,

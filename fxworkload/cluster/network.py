@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 
 from ..cost.devices import DeviceProfile
+from ..errors import UserError
 from ..parallel.layout import Parallel
 from ..parallel.units import Comm
 
@@ -60,3 +61,11 @@ def p2p_ns(nbytes: float, p: Parallel, device: DeviceProfile) -> float:
     hop = NVLINK_HOP_NS if same_node else NETWORK_HOP_NS
     bus = device.intra_node_bytes_per_s if same_node else device.inter_node_bytes_per_s
     return BASE_LATENCY_NS + hop + nbytes / bus * 1e9
+
+
+def check_device(device: DeviceProfile, parallel: Parallel) -> None:
+    """Collective times need the interconnect's figures; a rank with no collective needs none."""
+    if (parallel.tp > 1 or parallel.dp > 1) and not (device.intra_node_bytes_per_s and device.inter_node_bytes_per_s):
+        raise UserError(f"device '{device.name}' has no interconnect figures (intra_node_bytes_per_s, "
+                        "inter_node_bytes_per_s) for the collectives of --tp/--dp > 1; add them to its profile "
+                        "or use a datasheet profile such as --device h100-sxm for --format chrome-trace")

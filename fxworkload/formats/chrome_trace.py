@@ -15,23 +15,14 @@ from __future__ import annotations
 import json
 
 from ..capture.trace import FORWARD, INPUT_GRAD, WEIGHT_GRAD
-from ..cluster.network import comm_ns
+from ..cluster.network import check_device, comm_ns
 from ..cost.devices import DeviceProfile
-from ..errors import UserError
 from ..parallel.layout import Parallel
 from ..parallel.rank import RankWorkload
 from ..parallel.units import Unit
 
 COMPUTE, MODEL_PARALLEL_COMM, DATA_PARALLEL_COMM = 0, 1, 2
 THREADS = {COMPUTE: "compute", MODEL_PARALLEL_COMM: "tp/ep collectives", DATA_PARALLEL_COMM: "dp collectives"}
-
-
-def check_device(device: DeviceProfile, parallel: Parallel) -> None:
-    """Collective times need the interconnect's figures; a rank with no collective needs none."""
-    if (parallel.tp > 1 or parallel.dp > 1) and not (device.intra_node_bytes_per_s and device.inter_node_bytes_per_s):
-        raise UserError(f"device '{device.name}' has no interconnect figures (intra_node_bytes_per_s, "
-                        "inter_node_bytes_per_s) for the collectives of --tp/--dp > 1; add them to its profile "
-                        "or use a datasheet profile such as --device h100-sxm for --format chrome-trace")
 
 
 def trace_json(rank: RankWorkload, device: DeviceProfile, cluster=None) -> str:

@@ -160,6 +160,8 @@ def fit_from_measured(measured: dict, name: str, source: str) -> DeviceProfile:
     """The figures ``measure`` times with micro-benchmarks, fitted instead from the ops of a measured
     step (a profiler trace tied to its workload): per-op overhead, GEMM rate per dtype, bandwidth
     by bytes moved, vector rate per op. Each rate is net of the overhead, as ``measure``'s are."""
+    from .profiler_trace import short_name
+
     ops = [op for row in measured["rows"] for phase in ("forward", "input_grad", "weight_grad")
            for op in ([row[phase]] if phase == "forward" else row[phase]) if op and op.get("measured_ns", 0) > 0]
     kernels = [op for op in ops if op.get("kind") != "view" and (op.get("flops", 0) or op.get("bytes", 0))]
@@ -178,7 +180,7 @@ def fit_from_measured(measured: dict, name: str, source: str) -> DeviceProfile:
     by_op: dict[str, list] = {}
     for op in kernels:
         if op.get("kind") != "matmul" and op.get("flops", 0) > 0:
-            by_op.setdefault(op["op"].split(".")[1] if op["op"].startswith("aten.") else op["op"], []).append(op)
+            by_op.setdefault(short_name(op["op"]), []).append(op)
     vector_by_op = {key: _pooled_rate([(op["flops"], op["measured_ns"]) for op in group], launch_ns)
                     for key, group in sorted(by_op.items())}
     best_gemm = max(gemm_rates.values())

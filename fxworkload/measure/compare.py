@@ -108,16 +108,19 @@ def detect_format(path: Path) -> str:
                     f"{head[:40]!r}); name its format with --measured-format")
 
 
-def is_megatron_log(path: Path, kind: str = "auto") -> bool:
+def _check_kind(kind: str) -> None:
     if kind not in MEASURED_FORMATS:
         raise UserError(f"unknown --measured-format {kind!r}: use one of {', '.join(MEASURED_FORMATS)}")
+
+
+def is_megatron_log(path: Path, kind: str = "auto") -> bool:
+    _check_kind(kind)
     return kind == "megatron" or (kind == "auto" and not path.is_dir() and detect_format(path) == "megatron")
 
 
 def load_measured(path: Path, estimated: dict, kind: str = "auto") -> dict:
     """The measured side of a comparison, from any of the formats compare reads."""
-    if kind not in MEASURED_FORMATS:
-        raise UserError(f"unknown --measured-format {kind!r}: use one of {', '.join(MEASURED_FORMATS)}")
+    _check_kind(kind)
     if path.is_dir():
         return load_document(path, "measured.json")
     kind = detect_format(path) if kind == "auto" else kind

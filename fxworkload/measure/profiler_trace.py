@@ -65,7 +65,6 @@ class Event:
     shapes: list | None
     parent: "Event | None" = None
     children: list["Event"] = field(default_factory=list)
-    kernel_ns: float = 0.0  # GPU time of the kernels it launched itself
 
 
 @dataclass
@@ -89,10 +88,6 @@ class TraceAttribution:
         return self.attributed_ns / self.total_ns if self.total_ns else 0.0
 
 
-def looks_like_profiler_trace(head: str) -> bool:
-    return '"traceEvents"' in head or '"schemaVersion"' in head
-
-
 def read_events(path: Path) -> tuple[list[Event], str]:
     """Every CPU op, annotation and kernel of the trace, nested; and the device it ran on."""
     frame, device = _hta_frame(path)
@@ -110,8 +105,6 @@ def read_events(path: Path) -> tuple[list[Event], str]:
         parent = events.get(parents[index])
         if parent is None:
             continue
-        if event.category in GPU_CATEGORIES:
-            parent.kernel_ns += event.dur_ns
         event.parent = parent
         parent.children.append(event)
     for event in events.values():
@@ -322,26 +315,37 @@ def attribute(path: Path, rows: list[dict]) -> TraceAttribution:
     if len(steps) > 1:  # ProfilerStep iterations: what ran outside them is no step's
         steps = [s for s in steps if s >= 0]
     orphans = [e for e in events if e.category in GPU_CATEGORIES and e.parent is None]
+    by_index = {e.index: e for e in events}
     per_step = []
     for step in steps:
-        found = _attribute_step([r for r in roots if r.step == step], forward_ops, backward_ops, gpu)
+        found = _attribute_step([r for r in roots if r.step == step], forward_ops, backward_ops, gpu, by_index)
         if found is not None:
             lost_ns = sum(e.dur_ns for e in orphans if e.step == step)
             if lost_ns:
-                found[2]["(kernels no op launched)"] += lost_ns
-            per_step.append(found[:4] + (found[4] + lost_ns,))
+                found.unattributed_ns["(kernels no op launched)"] += lost_ns
+                found.total_ns += lost_ns
+            per_step.append(found)
     if not per_step:
         raise UserError(f"{path}: no training step of this model found in the trace: none of its ops lines up with "
                         "the workload's forward ops; profile a step of the model the workload was extracted from")
-    op_ns, rest_ns = (_median_over_steps([s[key] for s in per_step]) for key in (0, 1))
     unattributed: dict[str, float] = defaultdict(float)
     for s in per_step:
-        for name, ns in s[2].items():
+        for name, ns in s.unattributed_ns.items():
             unattributed[name] += ns / len(per_step)
     return TraceAttribution(
-        op_ns=op_ns, rest_ns=rest_ns, unattributed_ns=dict(unattributed),
-        communication_ns=statistics.fmean(s[3] for s in per_step), total_ns=statistics.fmean(s[4] for s in per_step),
-        unit="kernel" if gpu else "cpu op", steps=len(per_step), device=device)
+        op_ns=_median_over_steps([s.op_ns for s in per_step]), rest_ns=_median_over_steps([s.rest_ns for s in per_step]),
+        unattributed_ns=dict(unattributed), communication_ns=statistics.fmean(s.communication_ns for s in per_step),
+        total_ns=statistics.fmean(s.total_ns for s in per_step), unit="kernel" if gpu else "cpu op",
+        steps=len(per_step), device=device)
+
+
+@dataclass
+class _StepTimes:
+    op_ns: dict  # (row, phase, position) -> ns
+    rest_ns: dict  # (row, phase) -> ns tied to the row but to no op of its own
+    unattributed_ns: dict  # top-level op name -> ns
+    communication_ns: float = 0.0
+    total_ns: float = 0.0
 
 
 def _has_cpu_op_above(event: Event) -> bool:
@@ -359,7 +363,7 @@ def _median_over_steps(dicts: list[dict]) -> dict:
 
 
 def _attribute_step(roots: list[Event], forward_ops: list[GraphOp], backward_ops: dict[int, list[GraphOp]],
-                    gpu: bool):
+                    gpu: bool, by_index: dict[int, Event]) -> _StepTimes | None:
     roots.sort(key=lambda e: e.ts)
     backward_roots = [r for r in roots if r.name.startswith(BACKWARD_ROOT)]
     backward_start = min((r.ts for r in backward_roots), default=float("inf"))
@@ -368,7 +372,7 @@ def _attribute_step(roots: list[Event], forward_ops: list[GraphOp], backward_ops
     matched = align([leaf for root in forward_roots for leaf in autograd_level(root)], forward_ops)
     if not matched:
         return None
-    _check_shapes(matched, roots)
+    _check_shapes(matched, by_index)
     creator_row = _creators(roots, matched)
     accumulated_by: dict[int, int] = {}  # AccumulateGrad root -> the row whose backward made the gradient
     last_row = None
@@ -383,26 +387,24 @@ def _attribute_step(roots: list[Event], forward_ops: list[GraphOp], backward_ops
     for root in roots:
         here = ("rest", (accumulated_by[root.index], WEIGHT_GRAD)) if root.index in accumulated_by else None
         _assign(root, here, matched, creator_row, owner)
-    op_ns: dict[tuple, float] = defaultdict(float)
-    rest_ns: dict[tuple, float] = defaultdict(float)
-    unattributed: dict[str, float] = defaultdict(float)
-    communication_ns = total_ns = 0.0
+    times = _StepTimes(defaultdict(float), defaultdict(float), defaultdict(float))
     for root in roots:
         for event, ns in _time_units(root, gpu):
-            total_ns += ns
+            times.total_ns += ns
             where = owner.get(event.index)
             if _is_communication(root) or _is_communication(event):
-                communication_ns += ns
+                times.communication_ns += ns
             elif where is None:
-                unattributed[root.name] += ns
+                times.unattributed_ns[root.name] += ns
             elif where[0] == "op":
-                op_ns[where[1]] += ns
+                times.op_ns[where[1]] += ns
             else:
-                rest_ns[where[1]] += ns
-    return _split_backward_rest(op_ns, rest_ns), rest_ns, unattributed, communication_ns, total_ns
+                times.rest_ns[where[1]] += ns
+    _split_backward_rest(times.op_ns, times.rest_ns)
+    return times
 
 
-def _split_backward_rest(op_ns: dict, rest_ns: dict) -> dict:
+def _split_backward_rest(op_ns: dict, rest_ns: dict) -> None:
     """A row's backward time tied to no op goes to its two gradient phases in proportion to their ops."""
     for (row, phase) in [k for k in rest_ns if k[1] == "backward"]:
         ns = rest_ns.pop((row, phase))
@@ -412,17 +414,9 @@ def _split_backward_rest(op_ns: dict, rest_ns: dict) -> dict:
             share = by_phase[p] / total if total else (1.0 if p == INPUT_GRAD else 0.0)
             if share:
                 rest_ns[(row, p)] = rest_ns.get((row, p), 0.0) + ns * share
-    return dict(op_ns)
 
 
-def _check_shapes(matched: dict[int, GraphOp], roots: list[Event]) -> None:
-    by_index = {}
-    for root in roots:
-        stack = [root]
-        while stack:
-            event = stack.pop()
-            by_index[event.index] = event
-            stack += event.children
+def _check_shapes(matched: dict[int, GraphOp], by_index: dict[int, Event]) -> None:
     compared = differ = 0
     example = None
     for index, op in matched.items():
@@ -462,9 +456,7 @@ def _creators(roots: list[Event], matched: dict[int, GraphOp]) -> dict[int, int]
 def _assign(event: Event, inherited, matched, creator_row, owner) -> None:
     """owner[event] = ("op", (row, phase, position)) or ("rest", (row, phase)); inherited by what it ran."""
     op = matched.get(event.index)
-    if inherited is not None and event.parent is None:  # a root given its owner
-        here = inherited
-    elif op is not None:
+    if op is not None:
         here = ("op", (op.row, op.phase, op.position))
     elif event.name.startswith(BACKWARD_ROOT) and event.sequence in creator_row:
         here = ("rest", (creator_row[event.sequence], "backward"))
@@ -476,7 +468,7 @@ def _assign(event: Event, inherited, matched, creator_row, owner) -> None:
     if here is not None:
         owner[event.index] = here
     for child in event.children:
-        _assign(child, here if here is not None else None, matched, creator_row, owner)
+        _assign(child, here, matched, creator_row, owner)
 
 
 def _last_matched_below(event: Event, matched: dict[int, GraphOp]) -> GraphOp | None:

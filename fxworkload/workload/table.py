@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
 
@@ -96,9 +98,10 @@ class Workload:
         return cls(rows=rows, parameter_count=elements, gradient_bytes=elements * grad_dtype.itemsize,
                    step_peak_bytes=step_peak_bytes, activation_peak_bytes=activation_peak_bytes)
 
-    @property
+    @functools.cached_property
     def saved_bytes(self) -> int:
-        """Activations one micro-batch holds from its forward until its backward."""
+        """Activations one micro-batch holds from its forward until its backward (summed once: a
+        table is never changed in place, only replaced)."""
         return sum(r.saved_bytes for r in self.node_rows)
 
     @property

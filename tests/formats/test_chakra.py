@@ -4,18 +4,16 @@ cluster step they were written from."""
 from __future__ import annotations
 
 import pytest
-
-pytest.importorskip("chakra")  # the 'chakra' extra; make test installs it
-
-from chakra.schema.protobuf.et_def_pb2 import (  # noqa: E402
+# the 'chakra' extra (make test installs it): Chakra's own schema and decoder read the files back
+from chakra.schema.protobuf.et_def_pb2 import (
     COMM_COLL_NODE, COMM_RECV_NODE, COMM_SEND_NODE, COMP_NODE, GlobalMetadata, Node)
-from chakra.src.third_party.utils.protolib import decodeMessage, openFileRd  # noqa: E402
+from chakra.src.third_party.utils.protolib import decodeMessage, openFileRd
 
-from fxworkload.capture.trace import FORWARD, INPUT_GRAD, WEIGHT_GRAD  # noqa: E402
-from fxworkload.parallel.layout import Parallel  # noqa: E402
-from fxworkload.pipeline import extract  # noqa: E402
+from fxworkload.capture.trace import FORWARD, INPUT_GRAD, WEIGHT_GRAD
+from fxworkload.parallel.layout import Parallel
+from fxworkload.pipeline import extract
 
-from ..test_cli import fxworkload  # noqa: E402
+from ..test_cli import fxworkload
 
 LAYOUT = dict(tp=2, pp=2, dp=2, micro_batches=4)
 
