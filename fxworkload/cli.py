@@ -58,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
     profile.add_argument("--on", default="auto", help="where to run: cpu, cuda, or auto = cuda if there is one")
     profile.add_argument("--repeat", type=int, default=5, help="timed runs; each op's median is kept (default 5)")
     profile.add_argument("--warmup", type=int, default=2, help="untimed runs first (default 2)")
+    profile.add_argument("--timer", default="auto",
+                         help="auto (torch.profiler's kernel times on a GPU, a clock per op on the CPU), clock, or "
+                              "profiler (each node's kernels and host dispatch from torch.profiler)")
     profile.add_argument("--out", type=_out_dir, default=None,
                          help="output folder, replaced whole by this run (default outputs/<model>-measured/)")
     profile.set_defaults(func=run_profile)
@@ -219,7 +222,7 @@ def run_profile(args) -> int:
     _check_out(args)
     _quiet_transformers()
     result = profile(args.model, batch=args.batch, seq=args.seq, dtype=args.dtype, on=args.on,
-                     repeat=args.repeat, warmup=args.warmup, progress=True)
+                     repeat=args.repeat, warmup=args.warmup, progress=True, timer=args.timer)
     return _publish(args.out or Path("outputs") / f"{result.spec.name}-measured", measured_summary_text(result), {
         "measured.tsv": tsv_text(result.workload, "bytes", result.op_ns),
         "measured.json": measured_json_text(result),

@@ -203,8 +203,11 @@ def measured_json_text(measurement) -> str:
     def measured_op(op: OpCost) -> dict:
         document = {k: v for k, v in op_document(op).items() if k not in ("estimated_ns", "has_flop_rule")}
         timing = measurement.timings[op.fx_name]
-        return {**document, "measured_ns": timing.median_ns, "measured_min_ns": timing.min_ns,
-                "measured_max_ns": timing.max_ns}
+        timed = {**document, "measured_ns": timing.median_ns, "measured_min_ns": timing.min_ns,
+                 "measured_max_ns": timing.max_ns}
+        if measurement.dispatch is not None:
+            timed["measured_dispatch_ns"] = measurement.dispatch[op.fx_name].median_ns
+        return timed
 
     document = {"settings": measurement.settings, "verification": measurement.verification,
                 "totals": measured_totals(measurement),
@@ -217,6 +220,10 @@ def measured_totals(measurement) -> dict:
     totals["step_measured_ns"] = sum(totals.values())
     totals["eager_step_ns"] = measurement.eager_step_ns
     totals["step_peak_bytes"] = measurement.step_peak_bytes  # null on a CPU
+    if measurement.dispatch is not None:
+        totals["dispatch_sum_ns"] = sum(t.median_ns for t in measurement.dispatch.values())
+    if measurement.kernel_check is not None:
+        totals["kernel_check"] = measurement.kernel_check
     return totals
 
 
@@ -231,9 +238,20 @@ def measured_summary_text(measurement) -> str:
                     f"largest gradient difference {check['max_gradient_relative_difference']:.1e} (relative)"]]
     phases = [[phase, f"{totals[f'{phase}_measured_ns'] / 1e6:.3f}"] for phase in PHASES]
     phases.append(["step (sum of ops)", f"{totals['step_measured_ns'] / 1e6:.3f}"])
+    if "dispatch_sum_ns" in totals:
+        phases.append(["host dispatch (sum of ops)", f"{totals['dispatch_sum_ns'] / 1e6:.3f}"])
     phases.append(["eager step (wall)", f"{totals['eager_step_ns'] / 1e6:.3f}"])
+    check = totals.get("kernel_check")
+    if check is not None:
+        key_figures.append(["kernels tied to nodes", kernel_check_text(check)])
     return "\n\n".join([tabulate(key_figures, tablefmt="simple"),
                         tabulate(phases, headers=["phase", "measured_ms"], tablefmt="simple")]) + "\n"
+
+
+def kernel_check_text(check: dict) -> str:
+    verdict = "agree" if check["agrees"] else "DO NOT agree"
+    return (f"{check['node_kernel_ns'] / 1e6:.3f} ms of the profiler's {check['profiler_kernel_ns'] / 1e6:.3f} ms of "
+            f"kernels per step ({100 * check['agreement']:.2f} %): {verdict} within {100 * check['tolerance']:g} %")
 
 
 def plan_text(result: dict, top: int = 10) -> str:

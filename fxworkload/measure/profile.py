@@ -2,8 +2,11 @@
 
 The step is the same captured joint graph that ``extract`` costs (same ops, same row names),
 captured over fake tensors of the device it will run on and then run on real ones by an fx
-Interpreter that times every op: ``perf_counter_ns`` on the CPU, CUDA events on a GPU. After
-warm-up, every op's median over ``repeat`` runs is kept, with its spread.
+Interpreter that times every op. On a GPU the timer is torch.profiler (``kernel_times``): each
+node's GPU kernels as CUPTI recorded them, and its host dispatch beside them (a CUDA event pair
+around one call would time the host's launch gap for a short kernel, not the kernel). On the CPU
+it is ``perf_counter_ns`` around each call (``--timer profiler`` uses the profiler there too).
+After warm-up, every op's median over ``repeat`` runs is kept, with its spread.
 
 Before timing, the run is checked against the model itself: the loss and every parameter
 gradient of the node-by-node run must equal a plain eager ``model(...).loss.backward()`` on the
@@ -29,6 +32,7 @@ from ..capture.trace import capture_training_step
 from ..dtypes import DTYPES, check_settings
 from ..errors import UserError
 from ..cost.flops import register_transformers_ops
+from . import kernel_times
 from .timing import Clock, describe, device_for
 from ..workload.table import Workload, build
 
@@ -53,6 +57,8 @@ class Measurement:
     eager_step_ns: float  # median wall time of a plain eager training step, for reference
     settings: dict
     step_peak_bytes: int | None = None  # max_memory_allocated over an eager step (GPU only)
+    dispatch: dict[str, OpTiming] | None = None  # fx node name -> its host time (profiler timer only)
+    kernel_check: dict | None = None  # node kernels against the profiler's step total (GPU only)
 
     def op_ns(self, op) -> float:
         return self.timings[op.fx_name].median_ns
@@ -110,9 +116,15 @@ def _available_bytes(device: torch.device) -> int | None:
     return None
 
 
+TIMERS = ("auto", "clock", "profiler")
+
+
 def profile(model: str, batch: int = 1, seq: int | None = None, dtype: str = "fp32", on: str = "auto",
-            repeat: int = 5, warmup: int = 2, progress: bool = False) -> Measurement:
+            repeat: int = 5, warmup: int = 2, progress: bool = False, timer: str = "auto") -> Measurement:
     check_settings(batch, seq, dtype)
+    if timer not in TIMERS:
+        raise UserError(f"unknown --timer {timer!r}: use auto (the profiler on a GPU, the clock on a CPU), clock "
+                        "or profiler")
     for name, value, least in (("repeat", repeat, 1), ("warmup", warmup, 0)):
         if value < least:
             raise UserError(f"--{name} must be at least {least}, got {value}")
@@ -140,18 +152,48 @@ def profile(model: str, batch: int = 1, seq: int | None = None, dtype: str = "fp
     say("checking the node-by-node run against eager loss.backward()...")
     verification = verify(module, capture.graph_module, values, input_ids, list(parameters), dtype)
     clock = Clock(device)
-    say(f"timing every op: {warmup} warm-up and {repeat} timed runs...")
-    timings = time_ops(capture.graph_module, (values, input_ids), clock, repeat, warmup)
+    by_profiler = timer == "profiler" or (timer == "auto" and device.type == "cuda")
+    say(f"timing every op{' with torch.profiler' if by_profiler else ''}: {warmup} warm-up and {repeat} timed runs...")
+    dispatch = kernel_check = None
+    if by_profiler:
+        timings, dispatch, kernel_check = profiled_ops(capture.graph_module, (values, input_ids), device, repeat, warmup)
+    else:
+        timings = time_ops(capture.graph_module, (values, input_ids), clock, repeat, warmup)
     eager_step_ns = clock.median_ns(lambda: _eager_step(module, input_ids), repeat=repeat, warmup=1)
     step_peak_bytes = measured_step_peak_bytes(module, input_ids, device)
     settings = {"model": spec.name, "model_type": spec.config.model_type, "task": spec.task, "batch": batch,
                 "seq": seq, "dtype": dtype, "weights": source, "device": describe(device),
-                "timer": "CUDA events" if clock.cuda else "time.perf_counter_ns",
+                "timer": _timer_name(by_profiler, device),
                 "threads": torch.get_num_threads(), "repeat": repeat, "warmup": warmup,
                 "fxworkload_version": __version__, "torch_version": torch.__version__,
                 "transformers_version": transformers.__version__}
     return Measurement(spec=spec, workload=workload, timings=timings, verification=verification,
-                       eager_step_ns=eager_step_ns, settings=settings, step_peak_bytes=step_peak_bytes)
+                       eager_step_ns=eager_step_ns, settings=settings, step_peak_bytes=step_peak_bytes,
+                       dispatch=dispatch, kernel_check=kernel_check)
+
+
+def _timer_name(by_profiler: bool, device: torch.device) -> str:
+    if by_profiler:
+        return "torch.profiler (CUPTI kernel time)" if device.type == "cuda" else "torch.profiler (host op ranges)"
+    return "CUDA events" if device.type == "cuda" else "time.perf_counter_ns"
+
+
+def profiled_ops(graph_module, inputs, device: torch.device, repeat: int, warmup: int):
+    """Per node: its kernels' median time, its host dispatch's; and how the node kernels add up
+    against the profiler's total of the step (None on a CPU)."""
+    found = kernel_times.measure(graph_module, inputs, device, repeat, warmup)
+
+    def spread(values: list[float]) -> OpTiming:
+        return OpTiming(statistics.median(values), min(values), max(values))
+
+    timings = {name: spread(node.kernel_ns) for name, node in found.nodes.items()}
+    dispatch = {name: spread(node.dispatch_ns) for name, node in found.nodes.items()}
+    check = None
+    if found.gpu:
+        check = {"node_kernel_ns": found.node_kernel_ns, "profiler_kernel_ns": found.step_kernel_ns,
+                 "agreement": found.agreement, "tolerance": kernel_times.AGREEMENT_TOLERANCE,
+                 "agrees": found.agrees, "steps": found.steps}
+    return timings, dispatch, check
 
 
 def measured_step_peak_bytes(module, input_ids, device: torch.device) -> int | None:
