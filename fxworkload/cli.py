@@ -103,6 +103,12 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate.add_argument("--from", dest="from_trace", type=Path, default=None,
                            help="fit the profile to this torch.profiler trace (.json, .json.gz) instead of "
                                 "micro-benchmarks; needs --estimated")
+    calibrate.add_argument("--like", default=None, metavar="PROFILE",
+                           help="with --on cuda or --kernels: the datasheet profile of the GPU (its facts are kept, "
+                                "its GPU model refitted; default on a GPU: the shipped profile matching its name)")
+    calibrate.add_argument("--kernels", type=Path, default=None, metavar="DIR",
+                           help="fit the GPU model to the kernel times in DIR (gemm.csv, sdpa.csv, vector.csv as "
+                                "'calibrate --on cuda' writes them) instead of measuring; needs --like")
     calibrate.add_argument("--estimated", type=Path, default=None,
                            help="with --from: workload.json (or its folder) of the traced step, extracted with "
                                 "its model, --batch, --seq and --dtype")
@@ -327,11 +333,19 @@ def run_calibrate(args) -> int:
         devices.check_name(args.name, "--name")
     if args.from_trace is not None or args.estimated is not None:
         return _calibrate_from(args)
-    if args.on != "cpu" and not args.name:
-        raise UserError("--on cuda needs --name NAME for the measured profile (e.g. --name my-h100)")
+    if (args.on != "cpu" or args.kernels is not None) and not args.name:
+        raise UserError(f"{'--kernels' if args.kernels is not None else '--on cuda'} needs --name NAME for the "
+                        "measured profile (e.g. --name my-h100)")
     name = args.name or "cpu"
     if name != "cpu" and (devices.DATA_DIR / f"{name}.json").is_file():
         raise UserError(f"--name {name} is a shipped datasheet profile; choose another name")
+    if args.like is not None:
+        devices.load(args.like)
+    if args.kernels is not None or (args.on == "cuda" and _gpu_datasheet(args.like)):
+        return _calibrate_gpu(args, name)
+    if args.on == "cuda":
+        say("no shipped datasheet profile matches this GPU (pass --like PROFILE to fit one's GPU model): "
+            "measuring its rates instead")
     profile = measure(args.on, name, progress=say)
     try:
         path = devices.save(profile, devices.measured_path(name))
@@ -339,6 +353,33 @@ def run_calibrate(args) -> int:
         raise UserError(f"cannot write the profile to {devices.cache_dir()} ({exc.strerror}); "
                         "set FXWORKLOAD_CACHE_DIR to a writable folder") from None
     print(f"saved device profile '{name}' to {path}; use it with --device {name}")
+    return 0
+
+
+def _gpu_datasheet(like: str | None) -> str | None:
+    """The datasheet profile of this machine's GPU: --like, else the shipped one its name matches."""
+    import torch
+
+    from .cost import devices
+    from .measure.timing import device_for
+
+    return like or devices.matching_gpu(torch.cuda.get_device_name(device_for("cuda")))
+
+
+def _calibrate_gpu(args, name: str) -> int:
+    from .cost import devices
+    from .measure.calibrate import calibrate_gpu, fit_report_text, say
+
+    like = args.like if args.kernels is not None else _gpu_datasheet(args.like)
+    profile, report, folder = calibrate_gpu(name, like, args.kernels, progress=say)
+    try:
+        path = devices.save(profile, devices.measured_path(name))
+    except OSError as exc:
+        raise UserError(f"cannot write the profile to {devices.cache_dir()} ({exc.strerror}); "
+                        "set FXWORKLOAD_CACHE_DIR to a writable folder") from None
+    print(fit_report_text(report), end="")
+    print(f"saved device profile '{name}' ({like}'s facts, the GPU model fitted to {folder}) to {path}; "
+          f"use it with --device {name}")
     return 0
 
 

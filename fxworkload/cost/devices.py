@@ -11,6 +11,7 @@ import functools
 import json
 import math
 import os
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -113,6 +114,30 @@ def load(name: str) -> DeviceProfile:
         raise UserError("no measured profile of this CPU yet: run 'fxworkload calibrate' first")
     raise UserError(f"unknown device '{name}': use one of {', '.join(names())}, "
                     "or measure this machine's GPU with 'fxworkload calibrate --on cuda --name NAME'")
+
+
+def _gpu_tokens(text: str) -> set[str]:
+    """A GPU's model, memory and (for the other boards) form as names spell them:
+    'NVIDIA H100 80GB HBM3' -> {'H100', '80GB'}, 'NVIDIA H100 PCIe' -> {'H100', 'PCIE'}."""
+    return set(re.findall(r"\b[A-Z]\d{3}\b|\b\d+GB\b|\bPCIE\b|\bNVL\b", text.upper().replace("-", " ")))
+
+
+def matching_gpu(device_name: str) -> str | None:
+    """The shipped GPU profile of the GPU torch names (model and, where the name gives it, memory)."""
+    found = _gpu_tokens(device_name)
+    for path in sorted(DATA_DIR.glob("*.json")):
+        profile = read(path)
+        name = profile.name
+        if not profile.sm_count:
+            continue
+        tokens = _gpu_tokens(profile.description)
+        forms = {"PCIE", "NVL"}
+        sizes = {t for t in tokens if t.endswith("GB")}
+        models = tokens - sizes - forms
+        if (models <= found and tokens & forms == found & forms
+                and (not {t for t in found if t.endswith("GB")} or sizes <= found)):
+            return name
+    return None
 
 
 def exists(name: str) -> bool:

@@ -20,10 +20,12 @@ from __future__ import annotations
 import itertools
 import statistics
 import sys
+from pathlib import Path
 
 import torch
 
 from ..cost import flops as flop_rules
+from ..cost import devices
 from ..cost.devices import DeviceProfile
 from ..dtypes import DTYPES
 from ..errors import UserError
@@ -220,3 +222,56 @@ def _bucketed_curve(ops: list[dict], launch_ns: float) -> list[list[float]]:
         middle = statistics.median(op["bytes"] for op in group)
         curve.append([float(middle), _pooled_rate([(op["bytes"], op["measured_ns"]) for op in group], launch_ns)])
     return curve
+
+
+def kernels_folder(name: str) -> Path:
+    """Where ``calibrate --on cuda --name NAME`` keeps its kernel CSVs: beside the profile."""
+    return devices.measured_path(name).with_name(f"{name}-kernels")
+
+
+def calibrate_gpu(name: str, like: str | None, kernels_dir: Path | None = None,
+                  progress=say) -> tuple[DeviceProfile, dict, Path]:
+    """The GPU model refitted on kernel times: measured now on this machine's GPU (written as CSV
+    beside the profile), or read from ``kernels_dir``. ``like`` names the datasheet profile of the
+    GPU (its facts stay; its parameters are the fit's start); on a GPU it defaults to the shipped
+    profile whose name matches the device's."""
+    from . import kernel_bench
+    from .kernels import fitted_profile, read_folder
+
+    if kernels_dir is None:
+        device = device_for("cuda")
+        gpu_name = torch.cuda.get_device_name(device)
+        like = like or devices.matching_gpu(gpu_name)
+        if like is None:
+            raise UserError(f"no shipped datasheet profile matches '{gpu_name}': pass --like PROFILE (see "
+                            "'fxworkload devices') to fit onto that GPU's facts")
+        base = devices.load(like)
+        kernels_dir = kernels_folder(name)
+        from tqdm import tqdm
+
+        with tqdm(total=kernel_bench.case_count(), unit="kernel", leave=False, desc="measuring") as bar:
+            files = kernel_bench.measure(device, progress=bar.update)
+        kernel_bench.write(kernels_dir, files)
+        progress(f"measured {kernel_bench.case_count()} kernel cases on {gpu_name} into {kernels_dir}")
+        description = f"{gpu_name}, kernels measured by 'fxworkload calibrate --on cuda'"
+    else:
+        if like is None:
+            raise UserError("--kernels needs --like PROFILE: the datasheet profile of the GPU the kernels ran on "
+                            "(e.g. --like h100-sxm)")
+        base = devices.load(like)
+        read_folder(kernels_dir)
+        description = f"{base.description}, GPU model fitted to the kernels in {kernels_dir}"
+    progress(f"fitting {like}'s GPU model to the kernel times...")
+    profile, report = fitted_profile(kernels_dir, base, name, description)
+    return profile, report, kernels_dir
+
+
+def fit_report_text(report: dict) -> str:
+    """Median absolute error per family: before, after, and held out (fitted on the other half)."""
+    lines = []
+    for family, rows in report["rows"].items():
+        if rows:
+            lines.append(f"{family:7s} {rows:5d} rows  median error {report['before_pct'][family]:5.1f} % with the "
+                         f"starting parameters, {report['after_pct'][family]:5.1f} % fitted, "
+                         f"{report['held_out_pct'][family]:5.1f} % held out")
+    return "\n".join(lines) + "\n"

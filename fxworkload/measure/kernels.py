@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import csv
 import math
+import random
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -77,15 +78,23 @@ def _is_error(row: dict) -> bool:
     return str(row.get("fwd_kernels", "")).startswith("error")
 
 
-def samples(data_dir: Path, target: GpuTarget) -> list[Sample]:
-    out = []
-    for name, build in (("gemm.csv", gemm_samples), ("sdpa.csv", lambda rows: sdpa_samples(rows, target)),
-                        ("vector.csv", lambda rows: vector_samples(rows, target))):
+def read_folder(data_dir: Path) -> dict[str, list[dict]]:
+    """The checked rows of a kernel data folder's three files."""
+    if not data_dir.is_dir():
+        raise UserError(f"{data_dir}: no such folder; a kernel data folder holds gemm.csv, sdpa.csv and vector.csv")
+    found = {}
+    for name in COLUMNS:
         path = data_dir / name
         if not path.is_file():
             raise UserError(f"{data_dir}: no {name}; a kernel data folder holds gemm.csv, sdpa.csv and vector.csv")
-        out += build(read_rows(path))
-    return out
+        found[name] = read_rows(path)
+    return found
+
+
+def samples(data_dir: Path, target: GpuTarget) -> list[Sample]:
+    rows = read_folder(data_dir)
+    return (gemm_samples(rows["gemm.csv"]) + sdpa_samples(rows["sdpa.csv"], target)
+            + vector_samples(rows["vector.csv"], target))
 
 
 def _fake(*shape, dtype, requires_grad=False):
@@ -238,3 +247,40 @@ def fit(samples: list[Sample], device: DeviceProfile, rounds: int = 6) -> GpuMod
                     if score < best:
                         model, best = candidate, score
     return model
+
+
+HOLDOUT_SEED = 0
+
+
+def target_of(device: DeviceProfile) -> GpuTarget:
+    """The SDPA dispatch of the profile's GPU (its compute capability and priority order)."""
+    return GpuTarget(arch=device.compute_capability(), priority=tuple(device.sdpa_priority))
+
+
+def median_abs_pct(samples: list[Sample], device: DeviceProfile) -> dict[str, float]:
+    """Per family, the median absolute error of the estimates, in percent."""
+    errors = relative_errors(samples, device)
+    return {family: 100 * statistics.median(abs(e) for s, e in zip(samples, errors) if s.family == family)
+            for family in sorted({s.family for s in samples})}
+
+
+def fitted_profile(data_dir: Path, base: DeviceProfile, name: str, description: str) -> tuple[DeviceProfile, dict]:
+    """``base`` (datasheet facts, the shipped fit as the start) with the GPU model refitted on the
+    rows of ``data_dir``; and a report: each family's median error before and after, and after a fit
+    on every other row (seeded shuffle) checked on the rows it did not see."""
+    if not base.sm_count:
+        raise UserError(f"device profile '{base.name}' is not a GPU profile (no sm_count): fit a GPU's kernels "
+                        "onto the datasheet profile of that GPU, e.g. --like h100-sxm")
+    measured = samples(data_dir, target_of(base))
+    fitted = with_model(base, fit(measured, base))
+    order = list(range(len(measured)))
+    random.Random(HOLDOUT_SEED).shuffle(order)
+    train, held = [measured[i] for i in order[::2]], [measured[i] for i in order[1::2]]
+    report = {"rows": {f: sum(s.family == f for s in measured) for f in FAMILY_PARAMETERS},
+              "before_pct": median_abs_pct(measured, base), "after_pct": median_abs_pct(measured, fitted),
+              "held_out_pct": median_abs_pct(held, with_model(base, fit(train, base)))}
+    source = (f"fitted by 'fxworkload calibrate' to {len(measured)} kernel times in {data_dir} "
+              f"(gemm.csv, sdpa.csv, vector.csv), starting from {base.name}'s parameters")
+    profile = replace(fitted, name=name, description=description,
+                      sources={**base.sources, "gpu_model_parameters": source})
+    return profile, report

@@ -35,10 +35,11 @@ class Clock:
         if self.cuda:
             torch.cuda.synchronize(self.device)
 
-    def median_ns(self, fn, repeat: int = 5, warmup: int = 1) -> float:
-        """Median time of one call. On a GPU each sample times 10 calls back to back, so that the
-        stream stays busy: a kernel's own time, or the launch rate where launches are slower."""
-        calls = 10 if self.cuda else 1
+    def median_ns(self, fn, repeat: int = 5, warmup: int = 1, calls: int | None = None) -> float:
+        """Median time of one call. On a GPU each sample times ``calls`` (default 10) calls back to
+        back, so that the stream stays busy: a kernel's own time, or the launch rate where launches
+        are slower; on the CPU one call by default."""
+        calls = calls or (10 if self.cuda else 1)
         for _ in range(warmup):
             fn()
         laps = []
