@@ -15,6 +15,7 @@ bias first as ``scaled_dot_product_attention`` does, and tags the ops with the b
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass
 
 import torch
@@ -173,6 +174,9 @@ class GpuDispatch(TorchFunctionMode):
             raise ValueError(f"no SDPA kernel takes {call.heads} query heads with {call.kv_heads} key/value heads")
         with _tagged(backend):
             if backend == MATH:
+                if dropout_p > 0:
+                    return cuda_math_attention(query, key, value, _additive(attn_mask, query.dtype), dropout_p,
+                                               is_causal, scale, enable_gqa)
                 return aten._scaled_dot_product_attention_math(
                     query, key, value, _additive(attn_mask, query.dtype), dropout_p, is_causal, None,
                     scale=scale, enable_gqa=enable_gqa)[0]
@@ -186,6 +190,28 @@ class GpuDispatch(TorchFunctionMode):
             return aten._scaled_dot_product_efficient_attention(
                 query, key, value, _additive(attn_mask, query.dtype), True, dropout_p, is_causal,
                 scale=scale)[0]
+
+
+def cuda_math_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+    """``_scaled_dot_product_attention_math`` (attention.cpp) op for op, as it runs on CUDA tensors:
+    there its ``at::dropout`` is one fused ``native_dropout`` kernel, where on the CPU tensors of a
+    trace it decomposes into bernoulli_, div_ and mul."""
+    scaling = math.sqrt(scale if scale is not None else 1 / math.sqrt(query.shape[-1]))
+    query = aten.mul.Scalar(query, scaling)
+    if is_causal:
+        causal = torch.ones(query.shape[-2], key.shape[-2], dtype=torch.bool, device=query.device).tril()
+        zero = torch.scalar_tensor(0.0, dtype=query.dtype, device=query.device)
+        minus_infinity = torch.scalar_tensor(float("-inf"), dtype=query.dtype, device=query.device)
+        attn_mask = torch.where(causal, zero, minus_infinity)
+    if enable_gqa and query.shape[-3] != key.shape[-3]:
+        repeats = query.shape[-3] // key.shape[-3]
+        key, value = key.repeat_interleave(repeats, -3), value.repeat_interleave(repeats, -3)
+    attn = torch.matmul(query, aten.mul.Scalar(key.transpose(-2, -1), scaling))
+    if attn_mask is not None:
+        attn = attn.add(attn_mask)
+    attn = aten._safe_softmax(attn, -1)
+    attn = aten.native_dropout(attn, dropout_p, True)[0]
+    return torch.matmul(attn, value)
 
 
 def _additive(mask, dtype):

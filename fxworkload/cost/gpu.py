@@ -18,8 +18,8 @@ H100 and are shipped with their source, or fitted by ``fxworkload calibrate --on
   special-function units, a cost in S² that does not shrink with the head dim); head dims above 128
   cost a fitted fraction more (smaller tiles); dropout's random numbers cost a fitted
   fraction more (per backend, forward and backward apart); the op's tensors are read and written a fitted number
-  of times outside the main loop (the backward's dot(dO, O) and dQ conversion passes); an additive
-  mask is read once per (batch, head).
+  of times outside the main loop (the backward's dot(dO, O) and dQ conversion passes); an explicit
+  mask costs a fitted fraction of the main loop more (its bias loaded and added in every block).
 - Memory-bound ops (``memory_ns``): a fixed per-kernel cost plus bytes at the fitted fraction of the
   bandwidth.
 - Host (``dispatch_ns``): each eager op costs the CPU a fitted dispatch time; a step whose kernels are
@@ -75,6 +75,16 @@ class GpuModel:
     # dot(dO, O) preprocess, the fp32 dQ conversion and the GQA head reduction (kernels seen in the data).
     attention_forward_memory_passes: float = 1.0
     attention_backward_memory_passes: float = 2.0
+    # An explicit mask (bias) tensor: the kernel visits every score block (no causal skipping) and
+    # loads and adds the bias in each; extra fraction of the main loop's time. The H100 data put the
+    # masked kernels at 1.6-1.9x the unmasked non-causal ones from seq 1,024 up, for any mask shape
+    # (a sliding window costs what a causal mask does): a cost per score block, not bytes read.
+    attention_mask_forward_cost: float = 0.8
+    attention_mask_backward_cost: float = 0.8
+    # Dropout's random numbers (Philox) per score element, whole GPU: a cost in S² that does not shrink
+    # with the head dim (the data: dropout costs d = 64 kernels a larger share than d = 128 ones).
+    attention_forward_dropout_score_ps: float = 0.1
+    attention_backward_dropout_score_ps: float = 0.1
 
     @classmethod
     def of(cls, values: dict) -> GpuModel:
@@ -147,14 +157,15 @@ def attention_ns(flops: int, backend: str, backward: bool, dtype: str, *, batch:
     seconds = quantization * work / (facts.tensor_flops_per_s[dtype] * efficiency)
     scores = batch * heads * q_len * kv_len * (causal_fraction(q_len, kv_len) if is_causal and not has_mask else 1)
     seconds += quantization * scores * getattr(model, f"attention_{direction}_score_ps") * 1e-12
+    if has_mask:
+        seconds *= 1 + getattr(model, f"attention_mask_{direction}_cost")
     if head_dim > 128:
         seconds *= 1 + getattr(model, f"attention_large_head_{direction}_cost")
     if dropout > 0:
         seconds *= 1 + getattr(model, f"{backend}_{direction}_dropout_cost")
+        seconds += quantization * scores * getattr(model, f"attention_{direction}_dropout_score_ps") * 1e-12
     bandwidth = facts.memory_bytes_per_s * model.memory_efficiency
     seconds += getattr(model, f"attention_{direction}_memory_passes") * nbytes / bandwidth
-    if has_mask:  # the additive bias, read per (batch, head)
-        seconds += batch * heads * q_len * kv_len * ITEMSIZE[dtype] / bandwidth
     return model.attention_kernel_ns + 1e9 * seconds
 
 

@@ -31,9 +31,24 @@ def tensor_bytes(tree) -> int:
 GATHER_SOURCE = {"embedding": 0, "index_select": 0, "gather": 0, "index": 0}
 
 
+def _safe_softmax_bytes(args, kwargs, out) -> int:
+    """``_safe_softmax`` is one op but four kernels (SoftMax.cpp): softmax, ``eq(-inf)`` into a bool
+    tensor, ``all`` over the rows of that, and ``where`` writing zeros for fully masked rows."""
+    size = tensor_bytes(out)
+    elements = out.numel()
+    return 2 * size + (size + elements) + elements + 2 * size
+
+
+# ops that run several kernels, each pass over memory counted: op name -> bytes(args, kwargs, out)
+COMPOSITE_BYTES = {"_safe_softmax": _safe_softmax_bytes}
+
+
 def bytes_moved(target, args, kwargs, out) -> int:
     if is_alias(target):
         return 0
+    composite = COMPOSITE_BYTES.get(target.overloadpacket.__name__)
+    if composite is not None:
+        return composite(args, kwargs, out)
     source = GATHER_SOURCE.get(target.overloadpacket.__name__)
     if source is not None and isinstance(args[source], torch.Tensor):
         others = [a for i, a in enumerate(args) if i != source]

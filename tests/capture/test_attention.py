@@ -99,3 +99,29 @@ def test_key_value_heads_without_gqa_broadcast_only_when_there_is_one(kv_heads):
                     v_head_dim=16, has_mask=False, dropout=0.0, is_causal=False)
     chosen = choose(call, trace_target("auto", load("h100-sxm")))
     assert (chosen == "error") == (eager == "error") and chosen in ("math", "error")
+
+
+@pytest.mark.parametrize("causal, kv_heads", [(True, 2), (False, 4)])
+def test_the_gpu_math_path_is_torchs_own_with_dropout_fused(causal, kv_heads):
+    """Oracle: torch's _scaled_dot_product_attention_math traced op for op. On CUDA tensors its
+    at::dropout is one native_dropout kernel; on the CPU tensors of a trace it is bernoulli_, div_, mul."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from fxworkload.capture.attention import cuda_math_attention
+
+    aten = torch.ops.aten
+    q = torch.randn(2, 4, 16, 8, requires_grad=True)
+    k, v = (torch.randn(2, kv_heads, 16, 8, requires_grad=True) for _ in range(2))
+    gqa = kv_heads != 4
+
+    def ops(fn):
+        return [str(n.target) for n in make_fx(fn, tracing_mode="fake")(q, k, v).graph.nodes if n.op == "call_function"]
+
+    torch_ops = ops(lambda q, k, v: aten._scaled_dot_product_attention_math(q, k, v, None, 0.1, causal, None,
+                                                                               enable_gqa=gqa)[0].sum())
+    ours = ops(lambda q, k, v: cuda_math_attention(q, k, v, None, 0.1, causal, None, gqa).sum())
+    at = torch_ops.index("aten.empty_like.default")
+    assert torch_ops[at:at + 4] == ["aten.empty_like.default", "aten.bernoulli_.float", "aten.div_.Scalar",
+                                    "aten.mul.Tensor"]
+    getitem = "<built-in function getitem>"
+    assert ours == torch_ops[:at] + ["aten.native_dropout.default", getitem, getitem] + torch_ops[at + 4:]

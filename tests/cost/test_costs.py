@@ -139,3 +139,16 @@ def test_rules_added_for_the_coverage_architectures_by_hand():
     x = torch.randn(4, 6)
     assert node_flops(aten.softplus.default, (x,), {}, x) == 3 * 24
     assert node_flops(aten.flip.default, (x, [0]), {}, x) == 0
+
+
+def test_safe_softmax_moves_the_bytes_of_its_four_kernels():
+    """By hand, from SoftMax.cpp: softmax reads x and writes y; eq(x, -inf) reads x and writes a bool
+    per element; all() reads those; where() reads y and writes the result (the row flags aside)."""
+    import torch
+
+    from fxworkload.cost.traffic import bytes_moved
+    x = torch.randn(2, 3, 4, 8)
+    y = torch.ops.aten._safe_softmax(x, -1)
+    size, n = 192 * 4, 192
+    assert bytes_moved(torch.ops.aten._safe_softmax.default, (x, -1), {}, y) == (2 * size + (size + n) + n + 2 * size)
+    assert bytes_moved(torch.ops.aten._softmax.default, (x, -1, False), {}, y) == 2 * size

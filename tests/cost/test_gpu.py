@@ -109,3 +109,17 @@ def test_every_shipped_gpu_profile_names_a_source_for_each_fact():
         assert profile.sm_count and profile.arch and profile.memory_capacity_bytes
         for fact in ("arch", "sm_count", "l2_bytes", "memory_capacity_bytes", "sdpa_priority", "gpu_model_fit"):
             assert profile.sources.get(fact), (name, fact)
+
+
+def test_an_explicit_mask_visits_every_block_at_a_fitted_extra_cost():
+    """By hand: with a mask the kernel skips no causal block and its main loop costs (1 + mask cost)
+    times the unmasked non-causal one; the mask's shape (causal, sliding window) does not enter."""
+    from fxworkload.cost.gpu import attention_ns
+
+    model = GpuModel(attention_kernel_ns=0.0, attention_forward_memory_passes=0.0, attention_mask_forward_cost=0.5)
+    shape = dict(batch=1, heads=8, q_len=4096, kv_len=4096, head_dim=128, dropout=0.0, facts=FACTS, model=model)
+    flops = 4 * 8 * 4096 * 4096 * 128
+    full = attention_ns(flops, "cudnn", False, "bf16", is_causal=False, has_mask=False, **shape)
+    masked = attention_ns(flops, "cudnn", False, "bf16", is_causal=True, has_mask=True, **shape)
+    causal = attention_ns(flops, "cudnn", False, "bf16", is_causal=True, has_mask=False, **shape)
+    assert masked == pytest.approx(1.5 * full) and causal == pytest.approx(full * 33 / 64)
