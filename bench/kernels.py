@@ -83,7 +83,7 @@ def main() -> int:
         by_family[sample.family][1].append(error)
     print(f"{len(samples)} measured times from {args.data_dir}, estimated on '{args.device}' "
           f"(fit: {device.gpu_model_fit or 'inline'})")
-    gemm = _table("GEMM (torch.mm), by alignment and layout", *by_family["gemm"])
+    _table("GEMM (torch.mm), by alignment and layout", *by_family["gemm"])
     sdpa = _table("SDPA by backend, dtype, mask, dropout and direction", *by_family["sdpa"])
     _table("memory-bound ops", *by_family["vector"])
 

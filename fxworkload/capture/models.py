@@ -19,8 +19,7 @@ from transformers.models.auto.modeling_auto import (
     AutoModelForMaskedLM,
 )
 
-from ..dtypes import DTYPES
-from .builtin import BUILTIN_DIR, builtin_names, locate  # noqa: F401  (BUILTIN_DIR, builtin_names re-exported)
+from .builtin import locate
 from ..errors import UserError
 
 CAUSAL_LM = "causal-lm"

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from fxworkload.capture.trace import FORWARD, INPUT_GRAD
 from fxworkload.pipeline import extract
-from fxworkload.capture.models import BUILTIN_DIR
+from fxworkload.capture.builtin import BUILTIN_DIR
 from fxworkload.parallel.layout import Parallel
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
