@@ -14,8 +14,9 @@ recomputation is used for those rows. Left unsaid by the papers and chosen here 
 the micro-batch size (1, 2 or 4), the virtual stages of the interleaved schedule (1, 2 or 4 where
 they divide), recomputation for Llama 3 (none, selective or full), ZeRO 1 (the distributed
 optimizer), and
-for Llama 3 the uneven first and last stages (126 layers on 16 stages: 7, 8 x 14, 7); the
-fastest layout that fits is kept.
+for Llama 3 the uneven first and last stages (126 layers on 16 stages: 7, 8 x 14, 7, interleaved
+with the short chunks where the embedding and the head sit, as the paper's adjusted schedule
+allows); the fastest layout that fits is kept.
 
     .venv/bin/python bench/published.py                 # all rows (several minutes: one capture per row)
     .venv/bin/python bench/published.py --only 1.7B,18.4B
@@ -93,7 +94,8 @@ def best_layout(model, tp, pp, dp, batch, seq, dtype, device, layers, recompute,
         layouts = [Parallel(tp=tp, pp=pp, dp=dp, sp=tp > 1, micro_batches=m, zero=1, recompute=r, vpp=v,
                             pp_layers=pp_layers)
                    for r, v in itertools.product(recompute, (1, 2, 4))
-                   if v == 1 or (pp > 1 and pp_layers is None and layers % (pp * v) == 0 and m % pp == 0)]
+                   if v == 1 or (pp > 1 and m % pp == 0 and (min(pp_layers) >= v if pp_layers
+                                                            else layers % (pp * v) == 0))]
         rows += evaluate_shape(model, Shape(tp, 1, micro_batch), layouts, seq, dtype, device)
     fitting = [r for r in rows if r["fits"]] or rows
     return min(fitting, key=lambda r: r["step_ms"]) | {"any_fits": any(r["fits"] for r in rows)}

@@ -122,6 +122,8 @@ def _bad_inputs(tmp_path, tiny_dirs):
         "empty out": ([gpt2, "--seq", 8, "--out", ""], "--out is empty"),
         "negative top": ([gpt2, "--seq", 8, "--top", -1], "--top must be 0 or more, got -1"),
         "seq 1": ([gpt2, "--seq", 1], "needs --seq 2 or more"),
+        "a stage shorter than its chunks": ([gpt2, "--seq", 8, "--pp", 2, "--pp-layers", "1,1", "--vpp", 2,
+                                             "--micro-batches", 2], "need at least 2 layers on every stage"),
     }
 
 
@@ -129,7 +131,7 @@ def _bad_inputs(tmp_path, tiny_dirs):
                                   "unsupported architecture", "batch 0", "negative seq",
                                   "seq past the model's positions", "unknown device", "unknown dtype",
                                   "unwritable out", "non-integer batch", "over-long out", "empty out",
-                                  "negative top", "seq 1"])
+                                  "negative top", "seq 1", "a stage shorter than its chunks"])
 def test_bad_input_gives_one_line_exit_2_and_no_files(case, tmp_path, tiny_dirs):
     args, expected = _bad_inputs(tmp_path, tiny_dirs)[case]
     out = tmp_path / "never"

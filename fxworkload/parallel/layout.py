@@ -103,10 +103,12 @@ def check(parallel: Parallel, facts) -> None:
     if experts and experts % p.ep:
         raise UserError(f"--ep {p.ep} does not divide the model's {experts} experts; choose an --ep that divides it")
     if p.vpp > 1:
-        if p.pp == 1 or p.pp_layers is not None:
-            raise UserError("--vpp interleaves model chunks over pipeline stages: it needs --pp > 1 and balanced "
-                            "stages (no --pp-layers)")
-        if facts.layers % (p.pp * p.vpp):
+        if p.pp == 1:
+            raise UserError("--vpp interleaves model chunks over pipeline stages: it needs --pp > 1")
+        if p.pp_layers is not None and min(p.pp_layers) < p.vpp:
+            raise UserError(f"--vpp {p.vpp} model chunks per stage need at least {p.vpp} layers on every stage; "
+                            f"--pp-layers gives one {min(p.pp_layers)}")
+        if p.pp_layers is None and facts.layers % (p.pp * p.vpp):
             raise UserError(f"--pp {p.pp} x --vpp {p.vpp} does not divide the model's {facts.layers} layers; "
                             "choose a --vpp that does")
         if p.micro_batches % p.pp:
@@ -120,11 +122,30 @@ def check(parallel: Parallel, facts) -> None:
 
 
 def virtual_stage_layers(parallel: Parallel, layers: int) -> list[range]:
-    """The layers of each virtual stage c·pp + d (chunk c of device d); with vpp 1, the stages."""
+    """The layers of each virtual stage c·pp + d (chunk c of device d), consecutive in that order;
+    with vpp 1, the stages. With --pp-layers a device's layers are split over its chunks as evenly as
+    they go, the smaller chunks where the embedding (device 0's first) and the head (the last
+    device's last) sit: the Llama 3 paper's stages one layer short at both ends, interleaved."""
     if parallel.vpp == 1:
         return stage_layers(parallel, layers)
-    count = layers // (parallel.pp * parallel.vpp)
-    return [range(i * count, (i + 1) * count) for i in range(parallel.pp * parallel.vpp)]
+    p = parallel
+    if p.pp_layers is None:
+        count = layers // (p.pp * p.vpp)
+        return [range(i * count, (i + 1) * count) for i in range(p.pp * p.vpp)]
+    stage_layers(p, layers)  # checks the counts
+    sizes = [_chunk_sizes(count, p.vpp, fewer_first=device == 0) for device, count in enumerate(p.pp_layers)]
+    ranges, start = [], 0
+    for virtual in range(p.pp * p.vpp):
+        size = sizes[virtual % p.pp][virtual // p.pp]
+        ranges.append(range(start, start + size))
+        start += size
+    return ranges
+
+
+def _chunk_sizes(count: int, vpp: int, fewer_first: bool) -> list[int]:
+    base, extra = divmod(count, vpp)
+    larger = set(range(vpp - extra, vpp)) if fewer_first else set(range(extra))
+    return [base + (chunk in larger) for chunk in range(vpp)]
 
 
 def padded_vocab(parallel: Parallel, vocab: int) -> int:

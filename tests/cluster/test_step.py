@@ -79,3 +79,22 @@ def test_data_parallel_reduction_overlaps_backward(tiny_dirs):
     total = sum(end - start for _, _, start, end, _ in spans)
     assert 0 <= cluster.exposed_ns["dp"] < total
     assert spans[0][2] < cluster.pipeline_ns  # the first bucket starts before backward ends
+
+
+def test_uneven_stages_interleave_with_the_short_chunks_at_the_ends(tmp_path):
+    """The Llama 3 layout in miniature: 8 layers on 3 stages as 2, 4, 2, two chunks each. By hand, in
+    virtual-stage order (chunk 0 of devices 0, 1, 2, then chunk 1): device 0 holds [0] and [4], device 1
+    [1, 2] and [5, 6], device 2 [3] and [7]. Interleaving still shrinks the bubble."""
+    from fxworkload.parallel.layout import virtual_stage_layers
+
+    tiny_config("llama", num_hidden_layers=8).save_pretrained(tmp_path)
+    uneven = Parallel(pp=3, vpp=2, pp_layers=(2, 4, 2), micro_batches=6)
+    assert [list(r) for r in virtual_stage_layers(uneven, 8)] == [[0], [1, 2], [3], [4], [5, 6], [7]]
+    llama3 = Parallel(pp=4, vpp=2, pp_layers=(3, 4, 4, 3), micro_batches=8)
+    sizes = [len(r) for r in virtual_stage_layers(llama3, 14)]
+    assert sizes == [1, 2, 2, 2, 2, 2, 2, 1] and sum(sizes) == 14  # embedding's and head's chunks short
+    one = extract(str(tmp_path), batch=1, seq=16, device="h100-sxm",
+                  parallel=Parallel(pp=3, pp_layers=(2, 4, 2), micro_batches=6)).cluster
+    two = extract(str(tmp_path), batch=1, seq=16, device="h100-sxm", parallel=uneven).cluster
+    assert two.bubble_fraction < one.bubble_fraction
+    assert two.model_flops == pytest.approx(one.model_flops)
