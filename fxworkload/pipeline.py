@@ -241,16 +241,17 @@ def _capture(model, batch, seq, dtype, grad_dtype, gpu, every_layer, say, parall
     def prepare(module: torch.nn.Module) -> torch.nn.Module:
         return tensor_parallel.shard(module, tensor_parallel.plan_for(module), parallel.tp, parallel.ep)
 
-    module = prepare(module)
     register_transformers_ops()
     if not every_layer and facts.layers > max(SHORT_LAYERS):
         say(f"capturing one training step (batch {batch}, seq {seq}) of 4- and 5-layer copies...")
+        # The whole model is sharded only if it is traced: its layers are alike sharded or not.
         workload = fast_workload(spec, module, batch, seq, DTYPES[dtype], DTYPES[grad_dtype], gpu, prepare)
         if workload is not None:
             return workload, seq, facts
         say("its layers differ: capturing every layer...")
     else:
         say(f"capturing one training step (batch {batch}, seq {seq}), every layer...")
+    module = prepare(module)
     capture = capture_training_step(module, batch, seq, gpu=gpu)
     return build(capture, module, None, DTYPES[grad_dtype]), seq, facts
 

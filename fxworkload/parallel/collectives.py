@@ -63,9 +63,33 @@ def add_model_parallel(units: list[Unit], p: Parallel, micro_batch: int, seq: in
                 comms.extend(Comm(ALLTOALL, "ep", routed, f"token {what} ({phase})") for what in ("dispatch", "combine"))
 
 
+# A layout search builds the same buckets for every layout of a stage that shares dp, ep, ZeRO and
+# the bucket size (thousands of rows for a large model with TP 1); the rows are read-only once made.
+_DP_ROWS: dict[tuple, tuple] = {}
+
+
 def data_parallel_units(units: list[Unit], p: Parallel, grad_itemsize: int, param_itemsize: int) -> list[Unit]:
     """The stage's units with its data-parallel rows inserted: a gradient bucket's row sits just before
     the unit whose backward completes the bucket, so the simulator issues it there."""
+    grads = [g for u in units for g in u.grads]
+    key = (tuple(map(id, grads)), tuple(len(u.grads) for u in units), p.dp, p.ep, p.zero, p.bucket_mb,
+           grad_itemsize, param_itemsize)
+    held = _DP_ROWS.get(key)
+    if held is None:
+        if len(_DP_ROWS) >= 64:
+            _DP_ROWS.clear()
+        held = _DP_ROWS[key] = (grads, *_data_parallel_rows(units, p, grad_itemsize, param_itemsize))
+    _, top, before = held
+    out = list(top)
+    for i, unit in enumerate(units):
+        out.extend(before.get(i, []))
+        out.append(unit)
+    return out
+
+
+def _data_parallel_rows(units: list[Unit], p: Parallel, grad_itemsize: int,
+                        param_itemsize: int) -> tuple[list[Unit], dict[int, list[Unit]]]:
+    """The rows issued first (ZeRO's gathers) and, per unit index, the bucket rows issued before it."""
     expert_dp = p.dp // p.ep
     groups = [("dp", p.dp, [g for u in units for g in u.grads if not is_expert(g.module)]),
               ("dp_ep", expert_dp, [g for u in units for g in u.grads if is_expert(g.module)])]
@@ -86,11 +110,7 @@ def data_parallel_units(units: list[Unit], p: Parallel, grad_itemsize: int, para
         if p.zero == 3:
             top.extend(_dp_row(f"{group}_param_allgather_{phase}", Comm(ALLGATHER, group, params, f"parameters for {phase}"))
                        for phase in ("forward", "backward"))
-    out = list(top)
-    for i, unit in enumerate(units):
-        out.extend(before.get(i, []))
-        out.append(unit)
-    return out
+    return top, before
 
 
 def volume_bytes(comm: Comm, ranks: int) -> float:
