@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from fxworkload.capture import models
+from fxworkload.capture.builtin import builtin_names
 from fxworkload.pipeline import extract
 from fxworkload.formats.tables import tsv_text
 
@@ -23,7 +24,7 @@ def _tsv_rows(workload, size_unit="bytes"):
 
 
 def test_every_published_model_is_built_in():
-    assert sorted(PUBLISHED) == models.builtin_names()
+    assert sorted(PUBLISHED) == builtin_names()
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
