@@ -1,13 +1,17 @@
-"""Collective and point-to-point times from NCCL's own cost model (ring algorithm, Simple protocol).
+"""Collective and point-to-point times from NCCL's own cost model (Simple protocol, ring and tree).
 
 NCCL picks an algorithm per call from a table of latency + bytes / bandwidth (src/graph/tuning.cc,
-ncclTopoTuneModel and ncclTopoGetAlgoTime); for the large buffers of training (MiB and up) that is
-the ring with the Simple protocol, whose figures are used here:
-- latency = baseLat + (steps - inter-node steps) x NVLink hop + inter-node steps x network hop,
-  with steps = 2(n-1) for all-reduce, n-1 for all-gather and reduce-scatter, n for all-to-all,
-  and inter-node steps the same counts over nodes;
-- bandwidth: the per-GPU bus bandwidth of the slowest link the ring crosses (NVLink inside a
-  node, the GPU's share of the network otherwise) times n / steps.
+ncclTopoTuneModel and ncclTopoGetAlgoTime); for the large buffers of training (MiB and up) the
+protocol is Simple, and the figures here are that protocol's in the current table (NCCL 2.2x):
+- ring: latency = baseLat + (steps - inter-node steps) x NVLink hop + inter-node steps x network
+  hop, with steps = 2(n-1) for all-reduce, n-1 for all-gather and reduce-scatter, n for
+  all-to-all, and inter-node steps the same counts over nodes; bandwidth: the per-GPU bus
+  bandwidth of the slowest link the ring crosses (NVLink inside a node, the GPU's share of the
+  network otherwise) times n / steps;
+- tree (all-reduce only, as in NCCL): latency = baseLat + 2((n/nodes - 1) x NVLink hop + log2(nodes)
+  x network hop), bandwidth 0.92 x the bus bandwidth x 1/2 (a reduce up and a broadcast down);
+- an all-reduce takes the faster of the two, as NCCL's tuner does: the tree once a group spans
+  enough nodes that the ring's linear latency outweighs the tree's 8 % less bandwidth.
 
 Ranks are placed as Megatron-LM orders them: tensor-parallel innermost, then data-parallel
 (expert-parallel carved out of it), pipeline outermost; a group's GPUs span consecutive nodes.
@@ -22,10 +26,13 @@ from ..errors import UserError
 from ..parallel.layout import Parallel
 from ..parallel.units import Comm
 
-# NVIDIA/nccl src/graph/tuning.cc, Ring / Simple: baseLat and hwLat (NVLink, network), in µs there.
+# NVIDIA/nccl src/graph/tuning.cc, Simple protocol: baseLat and hwLat (NVLink, network), in µs there.
 BASE_LATENCY_NS = 8_400.0
 NVLINK_HOP_NS = 3_400.0
-NETWORK_HOP_NS = 9_600.0
+NETWORK_HOP_NS = 14_000.0
+TREE_NVLINK_HOP_NS = 4_000.0
+TREE_NETWORK_HOP_NS = 14_000.0
+TREE_BUS_EFFICIENCY = 0.92  # "busBw*.92" for tree all-reduce
 STEPS = {"ALLREDUCE": lambda n: 2 * (n - 1), "ALLGATHER": lambda n: n - 1, "REDUCESCATTER": lambda n: n - 1,
          "ALLTOALL": lambda n: n}
 
@@ -41,11 +48,26 @@ def group_layout(group: str, p: Parallel, gpus_per_node: int) -> tuple[int, int]
 def collective_ns(comm_type: str, nbytes: float, ranks: int, nodes: int, device: DeviceProfile) -> float:
     if ranks <= 1 or nbytes <= 0:
         return 0.0
+    ring = ring_ns(comm_type, nbytes, ranks, nodes, device)
+    return min(ring, tree_all_reduce_ns(nbytes, ranks, nodes, device)) if comm_type == "ALLREDUCE" else ring
+
+
+def _bus_bytes_per_s(nodes: int, device: DeviceProfile) -> float:
+    return device.intra_node_bytes_per_s if nodes == 1 else device.inter_node_bytes_per_s
+
+
+def ring_ns(comm_type: str, nbytes: float, ranks: int, nodes: int, device: DeviceProfile) -> float:
     steps = STEPS[comm_type](ranks)
     inter_steps = STEPS[comm_type](nodes) if nodes > 1 else 0
     latency = BASE_LATENCY_NS + (steps - inter_steps) * NVLINK_HOP_NS + inter_steps * NETWORK_HOP_NS
-    bus = device.intra_node_bytes_per_s if nodes == 1 else device.inter_node_bytes_per_s
-    return latency + nbytes / (bus * ranks / steps) * 1e9
+    return latency + nbytes / (_bus_bytes_per_s(nodes, device) * ranks / steps) * 1e9
+
+
+def tree_all_reduce_ns(nbytes: float, ranks: int, nodes: int, device: DeviceProfile) -> float:
+    per_node = ranks // nodes
+    latency = BASE_LATENCY_NS + 2 * ((per_node - 1) * TREE_NVLINK_HOP_NS
+                                     + int(math.log2(nodes)) * TREE_NETWORK_HOP_NS)
+    return latency + nbytes / (_bus_bytes_per_s(nodes, device) * TREE_BUS_EFFICIENCY / 2) * 1e9
 
 
 def comm_ns(comm: Comm, p: Parallel, device: DeviceProfile) -> float:

@@ -1,4 +1,4 @@
-"""Collective times: NCCL's ring / Simple cost model (src/graph/tuning.cc), computed by hand."""
+"""Collective times: NCCL's Simple-protocol ring and tree cost model (src/graph/tuning.cc), by hand."""
 
 from __future__ import annotations
 
@@ -12,16 +12,30 @@ from fxworkload.parallel.layout import Parallel
 def test_all_reduce_inside_a_node_by_hand():
     h100 = devices.load("h100-sxm")
     nbytes = 1 << 30
-    # 8 ranks: 14 steps of 3.4 us on NVLink after the 8.4 us base; bus bandwidth x 8 / 14
+    # 8 ranks: 14 steps of 3.4 us on NVLink after the 8.4 us base; bus bandwidth x 8 / 14. The tree
+    # (a chain inside a node: 8.4 + 2 x 7 x 4.0 us, bandwidth x 0.92 / 2) is slower: the ring is taken.
     expected = 8_400 + 14 * 3_400 + nbytes / (h100.intra_node_bytes_per_s * 8 / 14) * 1e9
     assert collective_ns("ALLREDUCE", nbytes, 8, 1, h100) == pytest.approx(expected)
+
+
+def test_an_all_reduce_over_many_nodes_takes_the_tree():
+    """256 ranks, one per node (a data-parallel group under TP 8), 16 MiB. Ring: 510 network steps
+    of 14 us; tree: 2 x log2(256) = 16 of them, at 0.92 / 2 of the bus bandwidth. By hand."""
+    h100 = devices.load("h100-sxm")
+    nbytes, bus = 16 << 20, h100.inter_node_bytes_per_s
+    ring = 8_400 + 510 * 14_000 + nbytes / (bus * 256 / 510) * 1e9
+    tree = 8_400 + 2 * 8 * 14_000 + nbytes / (bus * 0.92 / 2) * 1e9
+    assert tree < ring and collective_ns("ALLREDUCE", nbytes, 256, 256, h100) == pytest.approx(tree)
+    # an all-gather has no tree in NCCL: the ring, whatever it costs
+    assert collective_ns("ALLGATHER", nbytes, 256, 256, h100) == pytest.approx(
+        8_400 + 255 * 14_000 + nbytes / (bus * 256 / 255) * 1e9)
 
 
 def test_all_gather_across_nodes_by_hand():
     h100 = devices.load("h100-sxm")
     nbytes = 256 << 20
     # 64 ranks on 8 nodes: 63 steps, 7 of them between nodes; the network's per-GPU bandwidth
-    expected = 8_400 + 56 * 3_400 + 7 * 9_600 + nbytes / (h100.inter_node_bytes_per_s * 64 / 63) * 1e9
+    expected = 8_400 + 56 * 3_400 + 7 * 14_000 + nbytes / (h100.inter_node_bytes_per_s * 64 / 63) * 1e9
     assert collective_ns("ALLGATHER", nbytes, 64, 8, h100) == pytest.approx(expected)
     assert collective_ns("ALLGATHER", nbytes, 1, 1, h100) == 0.0
 
@@ -40,6 +54,6 @@ def test_pipeline_transfer():
     h100 = devices.load("h100-sxm")
     assert p2p_ns(1 << 20, Parallel(pp=1), h100) == 0.0
     across = p2p_ns(1 << 20, Parallel(tp=8, pp=2), h100)
-    assert across == pytest.approx(8_400 + 9_600 + (1 << 20) / h100.inter_node_bytes_per_s * 1e9)
+    assert across == pytest.approx(8_400 + 14_000 + (1 << 20) / h100.inter_node_bytes_per_s * 1e9)
     inside = p2p_ns(1 << 20, Parallel(tp=2, pp=2), h100)
     assert inside == pytest.approx(8_400 + 3_400 + (1 << 20) / h100.intra_node_bytes_per_s * 1e9)
