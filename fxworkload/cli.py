@@ -325,7 +325,7 @@ def run_plan(args) -> int:
 
 def run_calibrate(args) -> int:
     from .cost import devices
-    from .measure.calibrate import measure, say
+    from .measure.calibrate import gpu_datasheet, measure, say
 
     if args.on not in ("cpu", "cuda"):
         raise UserError(f"unknown --on {args.on!r}: use cpu or cuda")
@@ -341,42 +341,37 @@ def run_calibrate(args) -> int:
         raise UserError(f"--name {name} is a shipped datasheet profile; choose another name")
     if args.like is not None:
         devices.load(args.like)
-    if args.kernels is not None or (args.on == "cuda" and _gpu_datasheet(args.like)):
-        return _calibrate_gpu(args, name)
+    if args.kernels is not None:
+        if args.like is None:
+            raise UserError("--kernels needs --like PROFILE: the datasheet profile of the GPU the kernels ran on "
+                            "(e.g. --like h100-sxm)")
+        return _calibrate_gpu(name, args.like, args.kernels)
+    like = gpu_datasheet(args.like) if args.on == "cuda" else None
+    if like is not None:
+        return _calibrate_gpu(name, like, None)
     if args.on == "cuda":
         say("no shipped datasheet profile matches this GPU (pass --like PROFILE to fit one's GPU model): "
             "measuring its rates instead")
-    profile = measure(args.on, name, progress=say)
-    try:
-        path = devices.save(profile, devices.measured_path(name))
-    except OSError as exc:
-        raise UserError(f"cannot write the profile to {devices.cache_dir()} ({exc.strerror}); "
-                        "set FXWORKLOAD_CACHE_DIR to a writable folder") from None
+    path = _save_profile(measure(args.on, name, progress=say), name)
     print(f"saved device profile '{name}' to {path}; use it with --device {name}")
     return 0
 
 
-def _gpu_datasheet(like: str | None) -> str | None:
-    """The datasheet profile of this machine's GPU: --like, else the shipped one its name matches."""
-    import torch
-
+def _save_profile(profile, name: str) -> Path:
     from .cost import devices
-    from .measure.timing import device_for
 
-    return like or devices.matching_gpu(torch.cuda.get_device_name(device_for("cuda")))
-
-
-def _calibrate_gpu(args, name: str) -> int:
-    from .cost import devices
-    from .measure.calibrate import calibrate_gpu, fit_report_text, say
-
-    like = args.like if args.kernels is not None else _gpu_datasheet(args.like)
-    profile, report, folder = calibrate_gpu(name, like, args.kernels, progress=say)
     try:
-        path = devices.save(profile, devices.measured_path(name))
+        return devices.save(profile, devices.measured_path(name))
     except OSError as exc:
         raise UserError(f"cannot write the profile to {devices.cache_dir()} ({exc.strerror}); "
                         "set FXWORKLOAD_CACHE_DIR to a writable folder") from None
+
+
+def _calibrate_gpu(name: str, like: str, kernels: Path | None) -> int:
+    from .measure.calibrate import calibrate_gpu, fit_report_text, say
+
+    profile, report, folder = calibrate_gpu(name, like, kernels, progress=say)
+    path = _save_profile(profile, name)
     print(fit_report_text(report), end="")
     print(f"saved device profile '{name}' ({like}'s facts, the GPU model fitted to {folder}) to {path}; "
           f"use it with --device {name}")
@@ -398,11 +393,7 @@ def _calibrate_from(args) -> int:
     estimated = load_document(args.estimated, "workload.json")
     measured = load_measured(args.from_trace, estimated, "torch-profiler")
     profile = fit_from_measured(measured, args.name, args.from_trace.name)
-    try:
-        path = devices.save(profile, devices.measured_path(args.name))
-    except OSError as exc:
-        raise UserError(f"cannot write the profile to {devices.cache_dir()} ({exc.strerror}); "
-                        "set FXWORKLOAD_CACHE_DIR to a writable folder") from None
+    path = _save_profile(profile, args.name)
     print(f"fitted to {measured['trace']['steps']} step(s) of {args.from_trace}: overhead "
           f"{profile.kernel_launch_ns / 1e3:.2f} us per op, GEMM "
           + ", ".join(f"{k} {v / 1e9:.3g} GFLOP/s" for k, v in profile.matmul_flops_per_s.items())

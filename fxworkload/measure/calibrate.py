@@ -229,23 +229,23 @@ def kernels_folder(name: str) -> Path:
     return devices.measured_path(name).with_name(f"{name}-kernels")
 
 
-def calibrate_gpu(name: str, like: str | None, kernels_dir: Path | None = None,
+def gpu_datasheet(like: str | None) -> str | None:
+    """The datasheet profile of this machine's GPU: ``like``, else the shipped one its name matches."""
+    return like or devices.matching_gpu(torch.cuda.get_device_name(device_for("cuda")))
+
+
+def calibrate_gpu(name: str, like: str, kernels_dir: Path | None = None,
                   progress=say) -> tuple[DeviceProfile, dict, Path]:
-    """The GPU model refitted on kernel times: measured now on this machine's GPU (written as CSV
-    beside the profile), or read from ``kernels_dir``. ``like`` names the datasheet profile of the
-    GPU (its facts stay; its parameters are the fit's start); on a GPU it defaults to the shipped
-    profile whose name matches the device's."""
+    """The GPU model of datasheet profile ``like`` (its facts stay; its parameters are the fit's
+    start) refitted on kernel times: measured now on this machine's GPU (written as CSV beside the
+    profile), or read from ``kernels_dir``."""
     from . import kernel_bench
     from .kernels import fitted_profile, read_folder
 
+    base = devices.load(like)
     if kernels_dir is None:
         device = device_for("cuda")
         gpu_name = torch.cuda.get_device_name(device)
-        like = like or devices.matching_gpu(gpu_name)
-        if like is None:
-            raise UserError(f"no shipped datasheet profile matches '{gpu_name}': pass --like PROFILE (see "
-                            "'fxworkload devices') to fit onto that GPU's facts")
-        base = devices.load(like)
         kernels_dir = kernels_folder(name)
         from tqdm import tqdm
 
@@ -255,10 +255,6 @@ def calibrate_gpu(name: str, like: str | None, kernels_dir: Path | None = None,
         progress(f"measured {kernel_bench.case_count()} kernel cases on {gpu_name} into {kernels_dir}")
         description = f"{gpu_name}, kernels measured by 'fxworkload calibrate --on cuda'"
     else:
-        if like is None:
-            raise UserError("--kernels needs --like PROFILE: the datasheet profile of the GPU the kernels ran on "
-                            "(e.g. --like h100-sxm)")
-        base = devices.load(like)
         read_folder(kernels_dir)
         description = f"{base.description}, GPU model fitted to the kernels in {kernels_dir}"
     progress(f"fitting {like}'s GPU model to the kernel times...")

@@ -15,6 +15,7 @@ bf16 and fp32; the memory-bound ops of vector.csv at three sizes.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 from collections.abc import Callable
@@ -191,15 +192,15 @@ def case_count(gemm=None, sdpa=None, vector=None) -> int:
                ((gemm, gemm_shapes), (sdpa, sdpa_configs), (vector, vector_cases)))
 
 
-class _no_tf32:
+@contextlib.contextmanager
+def _no_tf32():
     """fp32 GEMMs on the FP32 units, as the data was measured (TF32 off)."""
-
-    def __enter__(self):
-        self.previous = torch.backends.cuda.matmul.allow_tf32
-        torch.backends.cuda.matmul.allow_tf32 = False
-
-    def __exit__(self, *exc):
-        torch.backends.cuda.matmul.allow_tf32 = self.previous
+    previous = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = previous
 
 
 def write(folder: Path, files: dict[str, str]) -> Path:

@@ -114,9 +114,8 @@ def node_times(path: Path) -> KernelTimes:
     dispatch = {step: defaultdict(float) for step in steps}
     for event in ranges:
         dispatch[event.step][event.name] += event.dur_ns
-    names = sorted({e.name for e in ranges}, key=lambda n: min(e.ts for e in ranges if e.name == n))
     nodes = {}
-    for name in names:
+    for name in dict.fromkeys(e.name for e in ranges):  # events come in time order: the graph's order
         host = [dispatch[s][name] for s in steps]
         device_ns = [kernel[s][name] for s in steps] if gpu else host
         nodes[name.removeprefix(NODE_MARK)] = NodeKernels(device_ns, host, launched[steps[0]][name] if steps else 0)

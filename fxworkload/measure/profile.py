@@ -47,6 +47,10 @@ class OpTiming:
     min_ns: float
     max_ns: float
 
+    @classmethod
+    def of(cls, samples_ns: list[float]) -> OpTiming:
+        return cls(statistics.median(samples_ns), min(samples_ns), max(samples_ns))
+
 
 @dataclass
 class Measurement:
@@ -182,12 +186,8 @@ def profiled_ops(graph_module, inputs, device: torch.device, repeat: int, warmup
     """Per node: its kernels' median time, its host dispatch's; and how the node kernels add up
     against the profiler's total of the step (None on a CPU)."""
     found = kernel_times.measure(graph_module, inputs, device, repeat, warmup)
-
-    def spread(values: list[float]) -> OpTiming:
-        return OpTiming(statistics.median(values), min(values), max(values))
-
-    timings = {name: spread(node.kernel_ns) for name, node in found.nodes.items()}
-    dispatch = {name: spread(node.dispatch_ns) for name, node in found.nodes.items()}
+    timings = {name: OpTiming.of(node.kernel_ns) for name, node in found.nodes.items()}
+    dispatch = {name: OpTiming.of(node.dispatch_ns) for name, node in found.nodes.items()}
     check = None
     if found.gpu:
         check = {"node_kernel_ns": found.node_kernel_ns, "profiler_kernel_ns": found.step_kernel_ns,
@@ -221,7 +221,7 @@ def time_ops(graph_module, inputs, clock: Clock, repeat: int, warmup: int) -> di
             if run >= warmup:
                 for name, lap in timer.laps.items():
                     samples[name].append(lap.ns)
-    return {name: OpTiming(statistics.median(ns), min(ns), max(ns)) for name, ns in samples.items()}
+    return {name: OpTiming.of(ns) for name, ns in samples.items()}
 
 
 def verify(module, graph_module, values, input_ids, parameter_names, dtype: str) -> dict:
