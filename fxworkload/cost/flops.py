@@ -201,6 +201,27 @@ def gemm_leading_dims(target, args) -> tuple[int, int, int] | None:
     return _leading(a), _leading(b), int(b.shape[-1])
 
 
+def grouped_gemm_shape(target, args) -> tuple[int, int, int, int] | None:
+    """(m, k, n, groups) of one group of a grouped GEMM (``_grouped_mm``, MoE experts); None for other ops.
+
+    The tokens are taken as shared equally by the groups (the offsets are data, unknown when tracing):
+    (T, K)·(G, K, N) is G GEMMs of T/G rows; the weight gradient (K, T)·(T, N) → (G, K, N) contracts
+    T/G tokens per group; (G, M, K)·(G, K, N) is a plain batch.
+    """
+    if op_name(target) != "_grouped_mm":
+        return None
+    a, b = args[0], args[1]
+    if a.dim() == 2 and b.dim() == 3:
+        groups = int(b.shape[0])
+        return -(-int(a.shape[0]) // groups), int(a.shape[1]), int(b.shape[2]), groups
+    if a.dim() == 2 and b.dim() == 2 and len(args) > 2 and isinstance(args[2], torch.Tensor):
+        groups = int(args[2].shape[0])
+        return int(a.shape[0]), -(-int(a.shape[1]) // groups), int(b.shape[1]), groups
+    if a.dim() == 3 and b.dim() == 3:
+        return int(a.shape[1]), int(a.shape[2]), int(b.shape[2]), int(a.shape[0])
+    return None
+
+
 def gemm_batch(target, args) -> int:
     operands = _gemm_operands(target, args)
     if operands is None or not hasattr(operands[0], "shape"):

@@ -20,7 +20,7 @@ H100 and are shipped with their source, or fitted by ``fxworkload calibrate --on
   fraction more (per backend, forward and backward apart); the op's tensors are read and written a fitted number
   of times outside the main loop (the backward's dot(dO, O) and dQ conversion passes); an explicit
   mask costs a fitted fraction of the main loop more (its bias loaded and added in every block).
-- Memory-bound ops (``memory_ns``): a fixed per-kernel cost plus bytes at the fitted fraction of the
+- Memory-bound ops (``memory_ns``): a fixed cost per kernel plus bytes at the fitted fraction of the
   bandwidth.
 - Host (``dispatch_ns``): each eager op costs the CPU a fitted dispatch time; a step whose kernels are
   shorter than their dispatch waits on the host (see ``two_stream_ns``).
@@ -45,6 +45,10 @@ class GpuModel:
     gemm_sm80_efficiency: float = 0.28  # 4- or 8-byte-aligned leading dimensions (CUTLASS sm80 kernels)
     gemm_align1_efficiency: float = 0.16  # odd leading dimensions (cutlass_75 align1 kernels)
     gemm_fp32_efficiency: float = 0.91  # fp32 without TF32, of the FP32 (non-tensor) peak
+    # torch._grouped_mm (MoE experts; a CUTLASS grouped kernel on sm90): not in the shared H100 data.
+    # Set to the published H100 figures of pytorch/ao#2490 (bench_grouped_mm.py, bf16, 8,192 tokens over
+    # 16 experts, K x N = 5,120 x 8,192 and 8,192 x 5,120: 1.31 and 1.26 ms; this model gives 1.29 for both).
+    gemm_grouped_efficiency: float = 0.65
     gemm_tile_edge: float = 13.6  # elements: a tile's efficiency is tm·tn / (tm·tn + edge·(tm + tn))
     gemm_kernel_ns: float = 5580.0  # fixed cost of one GEMM call (launch, prologue, epilogue)
     gemm_min_ns: float = 25200.0  # the shortest a cuBLAS call took back to back in eager PyTorch
@@ -59,11 +63,11 @@ class GpuModel:
     efficient_forward_efficiency: float = 0.25
     efficient_backward_efficiency: float = 0.18
     # Extra time, as a fraction, of a kernel with dropout (its random numbers), per backend and direction.
-    cudnn_forward_dropout_cost: float = 1.0
+    cudnn_forward_dropout_cost: float = 0.15
     cudnn_backward_dropout_cost: float = 0.2
-    flash_forward_dropout_cost: float = 1.0
+    flash_forward_dropout_cost: float = 0.15
     flash_backward_dropout_cost: float = 0.2
-    efficient_forward_dropout_cost: float = 0.5
+    efficient_forward_dropout_cost: float = 0.2
     efficient_backward_dropout_cost: float = 0.2
     # Softmax per score element (exp, max, sum: the special-function units, ~3.9 T/s on an H100 per the
     # FlashAttention-3 paper, against 989 T/s of matmul): a cost in S² independent of the head dim.
@@ -82,8 +86,9 @@ class GpuModel:
     attention_mask_forward_cost: float = 0.8
     attention_mask_backward_cost: float = 0.8
     # Dropout's random numbers (Philox) per score element, whole GPU: a cost in S² that does not shrink
-    # with the head dim (the data: dropout costs d = 64 kernels a larger share than d = 128 ones).
-    attention_forward_dropout_score_ps: float = 0.1
+    # with the head dim. The H100 data: cuDNN's forward with dropout costs 0.83-0.96 ps more per
+    # visited score element than without, for head dims 64-128, causal or not, seq 256-8,192.
+    attention_forward_dropout_score_ps: float = 0.8
     attention_backward_dropout_score_ps: float = 0.1
 
     @classmethod
@@ -112,10 +117,13 @@ def alignment_bytes(leading_dims: tuple[int, ...], itemsize: int) -> int:
 
 
 def gemm_ns(m: int, k: int, n: int, batch: int, dtype: str, leading_dims: tuple[int, ...],
-            facts: GpuFacts, model: GpuModel) -> float:
+            facts: GpuFacts, model: GpuModel, grouped: bool = False) -> float:
+    """``batch`` GEMMs of m×k·k×n in one kernel; ``grouped``: the groups of a grouped GEMM (no split-K)."""
     itemsize = ITEMSIZE[dtype]
     if itemsize == 4:
         efficiency = model.gemm_fp32_efficiency
+    elif grouped:
+        efficiency = model.gemm_grouped_efficiency
     else:
         align = alignment_bytes(leading_dims, itemsize)
         efficiency = (model.gemm_tensor_efficiency if align >= 16 else model.gemm_sm80_efficiency if align >= 4
@@ -126,7 +134,7 @@ def gemm_ns(m: int, k: int, n: int, batch: int, dtype: str, leading_dims: tuple[
     for tm, tn in GEMM_TILES:
         tiles = math.ceil(m / tm) * math.ceil(n / tn) * batch
         tile_rate = per_sm * tm * tn / (tm * tn + model.gemm_tile_edge * (tm + tn))
-        for split in SPLIT_K:
+        for split in (1,) if grouped else SPLIT_K:
             if split > 1 and tiles * split > 2 * facts.sm_count:
                 break
             waves = math.ceil(tiles * split / facts.sm_count)
@@ -169,8 +177,8 @@ def attention_ns(flops: int, backend: str, backward: bool, dtype: str, *, batch:
     return model.attention_kernel_ns + 1e9 * seconds
 
 
-def memory_ns(nbytes: int, facts: GpuFacts, model: GpuModel) -> float:
-    return model.vector_kernel_ns + 1e9 * nbytes / (facts.memory_bytes_per_s * model.memory_efficiency)
+def memory_ns(nbytes: int, facts: GpuFacts, model: GpuModel, kernels: int = 1) -> float:
+    return kernels * model.vector_kernel_ns + 1e9 * nbytes / (facts.memory_bytes_per_s * model.memory_efficiency)
 
 
 def two_stream_ns(ops: list[tuple[float, float]]) -> float:

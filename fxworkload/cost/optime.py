@@ -1,9 +1,11 @@
 """Which kernel-time model an op takes on a GPU profile, from what its OpCost records.
 
 GEMMs (with their leading dimensions) go to ``gpu.gemm_ns``, fused attention kernels to
-``gpu.attention_ns``, ops that launch no kernel take 0, and everything else is memory-bound
-(``gpu.memory_ns``). Other tensor-core ops (grouped GEMMs of MoE experts) take the GEMM model on the
-cube of their size.
+``gpu.attention_ns``, grouped GEMMs (MoE experts, ``_grouped_mm``) to ``gpu.gemm_ns`` as one kernel over
+their groups, ops that launch no kernel take 0, and everything else is memory-bound
+(``gpu.memory_ns``). Other tensor-core ops (transformers' fallback grouped GEMM) take the GEMM model on
+the cube of their size. A few ops run more than one kernel on CUDA (``CUDA_KERNELS``): each kernel
+costs its launch, and each pass over the op's tensors its bytes.
 """
 
 from __future__ import annotations
@@ -16,6 +18,16 @@ from .gpu import attention_ns, gemm_ns, memory_ns
 # The argument names of the fused attention ops (forward and backward) that say how the kernel runs.
 _ATTENTION_ARGUMENTS = ("query", "key", "value", "dropout_p", "is_causal", "attn_bias", "attn_mask")
 _FUSED_BACKENDS = {"cudnn", "flash", "efficient"}
+
+# Ops that CUDA runs as several kernels: op name -> (kernels, passes over the bytes the op moves).
+CUDA_KERNELS = {
+    # SoftMax.cu, softmax_backward_cuda_out: ``tmp = grad * output`` (one elementwise kernel over the
+    # three score-sized tensors), then the backward kernel reads tmp and output and writes grad_input.
+    "_softmax_backward_data": (2, 2.0),
+    # SoftMax.cpp: softmax, eq(-inf), all, a zero fill and where; its bytes already count every pass
+    # (traffic.COMPOSITE_BYTES, the same on the CPU).
+    "_safe_softmax": (5, 1.0),
+}
 
 
 def attention_facts(target, args, kwargs) -> dict | None:
@@ -49,7 +61,11 @@ def gpu_op_ns(op, device, dtype: str) -> float:
     if op.gemm_mkn is not None and op.gemm_leading is not None:
         m, k, n = op.gemm_mkn
         return gemm_ns(m, k, n, op.gemm_batch, dtype, op.gemm_leading, facts, model)
-    if op.kind in (MATMUL, ATTENTION) and op.flops:  # grouped GEMMs: their operands are 16-byte aligned
+    if op.grouped_gemm is not None:
+        m, k, n, groups = op.grouped_gemm
+        return gemm_ns(m, k, n, groups, dtype, (8, 8, 8), facts, model, grouped=True)
+    if op.kind in (MATMUL, ATTENTION) and op.flops:  # other tensor-core ops: a cube of their size
         side = max(int(round((op.flops / 2) ** (1 / 3))), 1)
         return gemm_ns(side, side, side, 1, dtype, (8, 8, 8), facts, model)
-    return memory_ns(op.bytes, facts, model)
+    kernels, passes = CUDA_KERNELS.get(op.op.split(".")[-2] if op.op.count(".") >= 2 else op.op, (1, 1.0))
+    return memory_ns(int(op.bytes * passes), facts, model, kernels)

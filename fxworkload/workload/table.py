@@ -38,6 +38,7 @@ class OpCost:
     gemm_mkn: tuple[int, int, int] | None = None  # m, k, n of a plain or batched GEMM, for the roofline
     gemm_leading: tuple[int, int, int] | None = None  # leading dimensions (elements) of A, B and C
     gemm_batch: int = 1  # matrices in a batched GEMM
+    grouped_gemm: tuple[int, int, int, int] | None = None  # m, k, n of one group, and the groups (MoE experts)
     attention: dict | None = None  # a fused attention kernel: backend, shapes, is_causal, has_mask, dropout
     sdpa_backend: str | None = None  # the SDPA implementation this op belongs to (cudnn, flash, efficient, math...)
     dispatch_ns: float = 0.0  # host (CPU) time to issue it in an eager step; 0 where not modelled
@@ -222,7 +223,8 @@ def cost_of(node: torch.fx.Node, phase: str, device: DeviceProfile | None) -> Op
         output_shapes=[list(t.shape) for t in outputs], output_dtypes=[_dtype_name(t.dtype) for t in outputs],
         flops=flops or 0, bytes=nbytes, estimated_ns=0.0, has_flop_rule=alias or flops is not None,
         gemm_mkn=flop_rules.gemm_shape(node.target, args), gemm_leading=flop_rules.gemm_leading_dims(node.target, args),
-        gemm_batch=flop_rules.gemm_batch(node.target, args), attention=attention_facts(node.target, args, kwargs),
+        gemm_batch=flop_rules.gemm_batch(node.target, args), grouped_gemm=flop_rules.grouped_gemm_shape(node.target, args),
+        attention=attention_facts(node.target, args, kwargs),
         sdpa_backend=node.meta.get("custom", {}).get(BACKEND_KEY) or OP_BACKEND.get(flop_rules.op_name(node.target)))
     if device is None:
         return op

@@ -123,3 +123,55 @@ def test_an_explicit_mask_visits_every_block_at_a_fitted_extra_cost():
     masked = attention_ns(flops, "cudnn", False, "bf16", is_causal=True, has_mask=True, **shape)
     causal = attention_ns(flops, "cudnn", False, "bf16", is_causal=True, has_mask=False, **shape)
     assert masked == pytest.approx(1.5 * full) and causal == pytest.approx(full * 33 / 64)
+
+
+def test_cuda_softmax_backward_is_a_multiply_kernel_then_the_backward_kernel():
+    """By hand, from SoftMax.cu (softmax_backward_cuda_out: ``tmp = grad * output``, then the backward
+    kernel over tmp and output): two kernel launches and two passes over the op's three tensors,
+    where a plain softmax forward is one kernel and one pass."""
+    import torch
+
+    from fxworkload.capture.trace import FORWARD
+    from fxworkload.cost.optime import gpu_op_ns
+    from fxworkload.measure.kernels import _traced_ops
+
+    device = load("h100-sxm")
+    model, facts = device.gpu_model(), device.gpu_facts()
+    bandwidth = facts.memory_bytes_per_s * model.memory_efficiency
+    x = torch.randn(64, 1024, requires_grad=True)
+    backward, = [op for op in _traced_ops(lambda x: torch.autograd.grad(torch.softmax(x, -1).sum(), x), [x])
+                 if op.op == "aten._softmax_backward_data.default"]
+    tensor_bytes = 64 * 1024 * 4
+    assert backward.bytes == 3 * tensor_bytes and backward.phase == FORWARD
+    assert gpu_op_ns(backward, device, "fp32") == pytest.approx(2 * model.vector_kernel_ns
+                                                                + 1e9 * 6 * tensor_bytes / bandwidth)
+    forward, = [op for op in _traced_ops(lambda x: torch.softmax(x, -1), [x]) if op.op == "aten._softmax.default"]
+    assert gpu_op_ns(forward, device, "fp32") == pytest.approx(model.vector_kernel_ns + 1e9 * 2 * tensor_bytes / bandwidth)
+
+
+def test_a_grouped_gemm_is_one_kernel_over_the_tiles_of_its_groups():
+    """By hand: (T, K)·(G, K, N) is G GEMMs of T/G rows; the weight gradient (K, T)·(T, N) → (G, K, N)
+    contracts T/G tokens per group. Oracle for the rate: torch._grouped_mm measured on an H100 by
+    pytorch/ao#2490 (bf16, 8,192 tokens over 16 experts, K 5,120, N 8,192: 1.31 ms)."""
+    import torch
+
+    from fxworkload.cost.flops import grouped_gemm_shape
+    from fxworkload.cost.optime import gpu_op_ns
+    from fxworkload.measure.kernels import _traced_ops
+
+    grouped = torch.ops.aten._grouped_mm.default
+    offsets = torch.empty(16, dtype=torch.int32)
+    tokens, weights = torch.empty(8192, 5120, dtype=torch.bfloat16), torch.empty(16, 5120, 8192, dtype=torch.bfloat16)
+    assert grouped_gemm_shape(grouped, (tokens, weights, offsets)) == (512, 5120, 8192, 16)
+    assert grouped_gemm_shape(grouped, (tokens.t(), torch.empty(8192, 8192), offsets)) == (5120, 512, 8192, 16)
+    assert grouped_gemm_shape(torch.ops.aten.mm.default, (tokens, tokens.t())) is None
+
+    op, = _traced_ops(lambda x, w, offs: torch._grouped_mm(x, w, offs=offs),
+                      [tokens, weights, torch.arange(512, 8193, 512, dtype=torch.int32)])
+    assert op.grouped_gemm == (512, 5120, 8192, 16) and op.flops == 2 * 8192 * 5120 * 8192
+    device = load("h100-sxm")
+    assert gpu_op_ns(op, device, "bf16") == pytest.approx(1.31e6, rel=0.10)
+    model = device.gpu_model()
+    wave_ns = gemm_ns(512, 5120, 8192, 16, "bf16", (8, 8, 8), device.gpu_facts(), model, grouped=True)
+    as_cube = gemm_ns(8192, 5120, 8192, 1, "bf16", (8, 8, 8), device.gpu_facts(), model)
+    assert gpu_op_ns(op, device, "bf16") == wave_ns and wave_ns > 1.2 * as_cube  # slower than cuBLAS's one GEMM
