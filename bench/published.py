@@ -10,13 +10,15 @@
   (fxworkload does not model CP).
 
 Megatron-LM's runs recompute every layer (their eq. 3 counts the recomputed forward), so full
-recomputation is used for those rows. Left unsaid by the papers and chosen here as plan would:
-the micro-batch size (1, 2 or 4), the virtual stages of the interleaved schedule (1, 2 or 4 where
-they divide), recomputation for Llama 3 (none, selective or full), ZeRO 1 (the distributed
-optimizer), and
-for Llama 3 the uneven first and last stages (126 layers on 16 stages: 7, 8 x 14, 7, interleaved
-with the short chunks where the embedding and the head sit, as the paper's adjusted schedule
-allows); the fastest layout that fits is kept.
+recomputation is used for those rows. The paper predates sequence parallelism (Korthikanti et al.
+2022) and Megatron-LM's distributed optimizer (added after it), so its rows run tensor parallelism
+with all-reduces (layer norms and dropouts on every tensor-parallel rank) and a plain data-parallel
+all-reduce (ZeRO 0); the Llama 3 rows use sequence parallelism and ZeRO 1. Left unsaid by the
+papers and chosen here as plan would: the micro-batch size (1, 2 or 4), the virtual stages of the
+interleaved schedule (1, 2 or 4 where they divide), recomputation for Llama 3 (none, selective or
+full), and for Llama 3 the uneven first and last stages (126 layers on 16 stages: 7, 8 x 14, 7,
+interleaved with the short chunks where the embedding and the head sit, as the paper's adjusted
+schedule allows); the fastest layout that fits is kept.
 
     .venv/bin/python bench/published.py                 # all rows (several minutes: one capture per row)
     .venv/bin/python bench/published.py --only 1.7B,18.4B
@@ -64,7 +66,7 @@ def megatron_row(name: str, root: Path) -> list:
                ).save_pretrained(folder)
     dp = gpus // (tp * pp)
     best = best_layout(str(folder), tp, pp, dp, batch, 2048, "fp16", "a100-80gb", layers,
-                       recompute=("full",), pp_layers=None)
+                       recompute=("full",), pp_layers=None, sp=False, zero=0)
     seq, vocab = 2048, 51200
     paper_flops = 96 * batch * seq * layers * hidden ** 2 * (1 + seq / (6 * hidden) + vocab / (16 * layers * hidden))
     ours = paper_flops / (best["step_ms"] / 1e3) / gpus / 1e12
@@ -80,18 +82,18 @@ def llama_row(name: str, root: Path) -> list:
     if not folder.exists():
         LlamaConfig(**{k: v for k, v in LLAMA_405B.items() if k != "model_type"}).save_pretrained(folder)
     best = best_layout(str(folder), tp, pp, dp, dp * per_dp, 8192, "bf16", "h100-sxm", 126,
-                       recompute=("none", "selective", "full"), pp_layers=(7, *[8] * 14, 7))
+                       recompute=("none", "selective", "full"), pp_layers=(7, *[8] * 14, 7), sp=True, zero=1)
     return [f"Llama 3 {name}", f"tp{tp} pp{pp} dp{dp}", tp * pp * dp, describe(best), published,
             f"{best['tflops_per_gpu']:.0f}", f"{100 * (best['tflops_per_gpu'] / published - 1):+.1f}%"]
 
 
-def best_layout(model, tp, pp, dp, batch, seq, dtype, device, layers, recompute, pp_layers) -> dict:
+def best_layout(model, tp, pp, dp, batch, seq, dtype, device, layers, recompute, pp_layers, sp, zero) -> dict:
     rows = []
     for micro_batch in (1, 2, 4):
         if batch % (dp * micro_batch):
             continue
         m = batch // (dp * micro_batch)
-        layouts = [Parallel(tp=tp, pp=pp, dp=dp, sp=tp > 1, micro_batches=m, zero=1, recompute=r, vpp=v,
+        layouts = [Parallel(tp=tp, pp=pp, dp=dp, sp=sp and tp > 1, micro_batches=m, zero=zero, recompute=r, vpp=v,
                             pp_layers=pp_layers)
                    for r, v in itertools.product(recompute, (1, 2, 4))
                    if v == 1 or (pp > 1 and m % pp == 0 and (min(pp_layers) >= v if pp_layers

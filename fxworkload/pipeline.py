@@ -194,8 +194,8 @@ def extract(model: str, batch: int = 1, seq: int | None = None, dtype: str = "fp
                 "fxworkload_version": __version__, "torch_version": torch.__version__,
                 "transformers_version": metadata.version("transformers")}
     rank = rank_workload(facts, workload, parallel, batch, seq, dtype, grad_dtype)
-    memory = rank_memory(rank, workload, dtype, grad_dtype, captured_saved_bytes, regenerated_bytes,
-                         profile.memory_capacity_bytes)
+    memory = rank_memory(rank.parallel, rank.units, workload, dtype, grad_dtype, captured_saved_bytes,
+                         regenerated_bytes, profile.memory_capacity_bytes)
     return Extraction(facts=facts, workload=workload, device=profile, settings=settings, rank=rank, memory=memory,
                       model=model, model_workload=captured)
 

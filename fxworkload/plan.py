@@ -79,7 +79,6 @@ def evaluate_shape(model: str, shape: Shape, layouts: list, seq: int, dtype: str
     from .cluster.step import cluster_step
     from .dtypes import DTYPES
     from .parallel.memory import rank_memory
-    from .parallel.rank import RankWorkload
     from .parallel.recompute import with_recompute
     from .pipeline import extract
 
@@ -100,10 +99,8 @@ def evaluate_shape(model: str, shape: Shape, layouts: list, seq: int, dtype: str
         step = cluster_step(facts, workload, captured, p, shape.micro_batch, seq, dtype, dtype, profile)
         peak = 0
         for d in sorted({0, p.pp - 1}):  # the first stage holds the most micro-batches, the last the head
-            rank = RankWorkload(parallel=replace(p, stage=d), units=step.device_units[d], layers=range(0),
-                                pp_comm_bytes=0)
-            memory = rank_memory(rank, workload, dtype, dtype, saved_bytes, regenerated,
-                                 profile.memory_capacity_bytes)
+            memory = rank_memory(replace(p, stage=d), step.device_units[d], workload, dtype, dtype, saved_bytes,
+                                 regenerated, profile.memory_capacity_bytes)
             peak = max(peak, memory.total_peak_bytes)
         rows.append({"tp": p.tp, "pp": p.pp, "dp": p.dp, "ep": p.ep, "sp": p.sp, "vpp": p.vpp, "zero": p.zero,
                      "recompute": p.recompute, "micro_batch": shape.micro_batch, "micro_batches": p.micro_batches,

@@ -159,9 +159,11 @@ def cluster_step(facts: ModelFacts, workload: Workload, model_workload: Workload
     for d in range(p.pp):
         chunks, with_dp = device_chunks(facts, workload, p, d, micro_batch, seq, dtype, grad_dtype)
         model_chunks = _chunks(facts, _units(facts, model_workload), p, d)
-        forward.append([_pass_ns(c, FORWARD, p, device) for c in chunks])
-        backward.append([_pass_ns(c, INPUT_GRAD, p, device) for c in chunks])
-        comm.append(_blocking_comm(chunks, p, device))
+        forward_passes = [_pass(c, FORWARD, p, device) for c in chunks]
+        backward_passes = [_pass(c, INPUT_GRAD, p, device) for c in chunks]
+        forward.append([ns for ns, _ in forward_passes])
+        backward.append([ns for ns, _ in backward_passes])
+        comm.append(_blocking_comm(forward_passes + backward_passes))
         flops.append((_flops(model_chunks), _flops(chunks)))
         layouts.append((chunks, with_dp))
     if p.zero == 3:  # the gathers run beside each pass; what a pass cannot hide lengthens it
@@ -205,20 +207,23 @@ def cluster_step(facts: ModelFacts, workload: Workload, model_workload: Workload
                        device_chunks=[layout[0] for layout in layouts], boundary_bytes=boundary, profile=device)
 
 
-def _pass_ns(units: list[Unit], phase: str, p: Parallel, device: DeviceProfile) -> float:
+def _pass(units: list[Unit], phase: str, p: Parallel, device: DeviceProfile) -> tuple[float, dict[str, float]]:
+    """A pass's time (its compute and the collectives it waits on) and those collectives' time per group."""
     phases = (FORWARD,) if phase == FORWARD else (INPUT_GRAD, WEIGHT_GRAD)
     compute = sum(u.costs[ph][0] for u in units for ph in phases)
-    return compute + sum(comm_ns(c, p, device) for u in units for c in u.comms[phase])
+    by_group: dict[str, float] = {}
+    for u in units:
+        for c in u.comms[phase]:
+            by_group[c.group] = by_group.get(c.group, 0.0) + comm_ns(c, p, device)
+    return compute + sum(by_group.values()), by_group
 
 
-def _blocking_comm(chunks: list[list[Unit]], p: Parallel, device: DeviceProfile) -> dict[str, float]:
-    """Per micro-batch, forward and backward, every chunk: the tensor- and expert-parallel collectives."""
+def _blocking_comm(passes: list[tuple[float, dict[str, float]]]) -> dict[str, float]:
+    """Per micro-batch, the forward and backward passes of every chunk: the tensor- and expert-parallel collectives."""
     out = {"tp": 0.0, "ep": 0.0}
-    for units in chunks:
-        for u in units:
-            for phase in (FORWARD, INPUT_GRAD):
-                for c in u.comms[phase]:
-                    out[c.group] = out.get(c.group, 0.0) + comm_ns(c, p, device)
+    for _, by_group in passes:
+        for group, ns in by_group.items():
+            out[group] = out.get(group, 0.0) + ns
     return out
 
 

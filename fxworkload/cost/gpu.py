@@ -14,10 +14,11 @@ H100 and are shipped with their source, or fitted by ``fxworkload calibrate --on
 - Attention (``attention_ns``): FLOPs at a per-kernel efficiency of the tensor peak (cuDNN, flash,
   memory-efficient; forward and backward apart), counting only the score tiles a causal kernel visits
   (an explicit mask visits them all) and the head dimension padded to the kernel's 64-wide tiles,
-  in waves of one 128-query block per CTA over the SMs, plus the softmax per score element (the
-  special-function units, a cost in S² that does not shrink with the head dim); head dims above 128
-  cost a fitted fraction more (smaller tiles); dropout's random numbers cost a fitted
-  fraction more (per backend, forward and backward apart); the op's tensors are read and written a fitted number
+  in waves of one 128-query block per CTA over the SMs, plus the softmax per score element (a cost
+  in S² that does not shrink with the head dim, in FP32-unit operations at the GPU's FP32 peak);
+  head dims above 128 cost a fitted fraction more (smaller tiles); dropout's random numbers cost
+  operations per score element likewise, and a fitted fraction more (per backend, forward and
+  backward apart); the op's tensors are read and written a fitted number
   of times outside the main loop (the backward's dot(dO, O) and dQ conversion passes); an explicit
   mask costs a fitted fraction of the main loop more (its bias loaded and added in every block).
 - Memory-bound ops (``memory_ns``): a fixed cost per kernel plus bytes at the fitted fraction of the
@@ -70,9 +71,10 @@ class GpuModel:
     efficient_forward_dropout_cost: float = 0.2
     efficient_backward_dropout_cost: float = 0.2
     # Softmax per score element (exp, max, sum: the special-function units, ~3.9 T/s on an H100 per the
-    # FlashAttention-3 paper, against 989 T/s of matmul): a cost in S² independent of the head dim.
-    attention_forward_score_ps: float = 0.3  # picoseconds per score element, whole GPU
-    attention_backward_score_ps: float = 0.6
+    # FlashAttention-3 paper, against 989 T/s of matmul): a cost in S² independent of the head dim, in
+    # FP32-unit operations per score element, so that it runs at each GPU's FP32 (non-tensor) peak.
+    attention_forward_score_flops: float = 20.0
+    attention_backward_score_flops: float = 40.0
     attention_large_head_forward_cost: float = 0.2  # head dim > 128: smaller tiles; extra fraction of time
     attention_large_head_backward_cost: float = 0.5
     # Passes over the op's tensors (q, k, v, o, dO, the gradients) outside the main loop: the backward's
@@ -85,11 +87,12 @@ class GpuModel:
     # (a sliding window costs what a causal mask does): a cost per score block, not bytes read.
     attention_mask_forward_cost: float = 0.8
     attention_mask_backward_cost: float = 0.8
-    # Dropout's random numbers (Philox) per score element, whole GPU: a cost in S² that does not shrink
-    # with the head dim. The H100 data: cuDNN's forward with dropout costs 0.83-0.96 ps more per
-    # visited score element than without, for head dims 64-128, causal or not, seq 256-8,192.
-    attention_forward_dropout_score_ps: float = 0.8
-    attention_backward_dropout_score_ps: float = 0.1
+    # Dropout's random numbers (Philox) per score element, in FP32-unit operations: a cost in S² that does
+    # not shrink with the head dim. The H100 data: cuDNN's forward with dropout costs 0.83-0.96 ps more
+    # per visited score element than without (56-64 operations at 67 TFLOP/s), for head dims 64-128,
+    # causal or not, seq 256-8,192.
+    attention_forward_dropout_flops: float = 54.0
+    attention_backward_dropout_flops: float = 7.0
 
     @classmethod
     def of(cls, values: dict) -> GpuModel:
@@ -164,14 +167,15 @@ def attention_ns(flops: int, backend: str, backward: bool, dtype: str, *, batch:
     efficiency = getattr(model, f"{backend}_{direction}_efficiency")
     seconds = quantization * work / (facts.tensor_flops_per_s[dtype] * efficiency)
     scores = batch * heads * q_len * kv_len * (causal_fraction(q_len, kv_len) if is_causal and not has_mask else 1)
-    seconds += quantization * scores * getattr(model, f"attention_{direction}_score_ps") * 1e-12
+    alu_per_s = facts.tensor_flops_per_s["fp32"]
+    seconds += quantization * scores * getattr(model, f"attention_{direction}_score_flops") / alu_per_s
     if has_mask:
         seconds *= 1 + getattr(model, f"attention_mask_{direction}_cost")
     if head_dim > 128:
         seconds *= 1 + getattr(model, f"attention_large_head_{direction}_cost")
     if dropout > 0:
         seconds *= 1 + getattr(model, f"{backend}_{direction}_dropout_cost")
-        seconds += quantization * scores * getattr(model, f"attention_{direction}_dropout_score_ps") * 1e-12
+        seconds += quantization * scores * getattr(model, f"attention_{direction}_dropout_flops") / alu_per_s
     bandwidth = facts.memory_bytes_per_s * model.memory_efficiency
     seconds += getattr(model, f"attention_{direction}_memory_passes") * nbytes / bandwidth
     return model.attention_kernel_ns + 1e9 * seconds

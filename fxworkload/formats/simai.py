@@ -49,6 +49,8 @@ class SimaiWorkload:
 
 def from_rank(rank: RankWorkload) -> SimaiWorkload:
     p = rank.parallel
+    # SimAI's "vpp" field holds the stage's layers (AICB's generator writes its layer count there), not
+    # the virtual stages of --vpp, which the format has no field for.
     header = {"model_parallel_NPU_group": p.tp, "ep": p.ep, "pp": p.pp, "vpp": max(1, len(rank.layers)),
               "ga": p.micro_batches, "all_gpus": p.world, "checkpoints": 0, "checkpoint_initiates": 0,
               "pp_comm": rank.pp_comm_bytes}

@@ -216,10 +216,10 @@ FAMILY_PARAMETERS = {
              "gemm_tile_edge", "gemm_kernel_ns", "gemm_min_ns"),
     "sdpa": ("attention_kernel_ns", "cudnn_forward_efficiency", "cudnn_backward_efficiency",
              "efficient_forward_efficiency", "efficient_backward_efficiency", "cudnn_forward_dropout_cost",
-             "cudnn_backward_dropout_cost", "efficient_forward_dropout_cost", "efficient_backward_dropout_cost", "attention_forward_score_ps", "attention_backward_score_ps",
+             "cudnn_backward_dropout_cost", "efficient_forward_dropout_cost", "efficient_backward_dropout_cost", "attention_forward_score_flops", "attention_backward_score_flops",
              "attention_large_head_forward_cost", "attention_large_head_backward_cost", "attention_forward_memory_passes", "attention_backward_memory_passes",
-             "attention_mask_forward_cost", "attention_mask_backward_cost", "attention_forward_dropout_score_ps",
-             "attention_backward_dropout_score_ps"),
+             "attention_mask_forward_cost", "attention_mask_backward_cost", "attention_forward_dropout_flops",
+             "attention_backward_dropout_flops"),
 }
 STEPS = (0.5, 0.7, 0.85, 0.93, 1.07, 1.15, 1.4, 2.0)
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from ..dtypes import DTYPES
-from .rank import RankWorkload
+from .layout import Parallel
 from .units import is_expert
 from ..workload.table import Workload
 
@@ -46,13 +46,12 @@ class RankMemory:
         return asdict(self) | {"fits": self.fits}
 
 
-def rank_memory(rank: RankWorkload, workload: Workload, dtype: str, grad_dtype: str, captured_saved_bytes: int,
-                regenerated_bytes: int = 0, capacity_bytes: int = 0) -> RankMemory:
-    """``workload`` as the step runs (recomputation applied); ``captured_saved_bytes`` what the
-    captured step saved before recomputation; ``regenerated_bytes`` what one layer's recomputed
-    forward re-creates in backward."""
-    p = rank.parallel
-    units = [u for u in rank.units if u.block != "dp"]
+def rank_memory(p: Parallel, rank_units: list, workload: Workload, dtype: str, grad_dtype: str,
+                captured_saved_bytes: int, regenerated_bytes: int = 0, capacity_bytes: int = 0) -> RankMemory:
+    """The memory of the rank ``p`` (its stage) whose units are ``rank_units``; ``workload`` as the
+    step runs (recomputation applied); ``captured_saved_bytes`` what the captured step saved before
+    recomputation; ``regenerated_bytes`` what one layer's recomputed forward re-creates in backward."""
+    units = [u for u in rank_units if u.block != "dp"]
     expert = sum(g.elements for u in units for g in u.grads if is_expert(g.module))
     dense = sum(g.elements for u in units for g in u.grads) - expert
     grad_size = DTYPES[grad_dtype].itemsize

@@ -18,9 +18,7 @@ from fxworkload.measure import kernel_times
 from fxworkload.measure.profile import profile
 
 from ..test_cli import fxworkload
-
-NO_KERNEL = {"aten::view", "aten::t", "aten::transpose", "aten::as_strided", "aten::expand", "aten::detach"}
-
+from .cuda_events import NO_KERNEL, kernel, launch, write
 
 def _step(x, w1, w2):
     hidden = torch.relu(x @ w1)
@@ -55,13 +53,10 @@ def _with_kernels(path, out, outside_us: float) -> dict:
                                              for o in ops)]
     expected, added, correlation = {}, [], 0
 
-    def launch(parent: dict, ts: float, duration_us: float, name: str) -> None:
+    def launch_at(parent: dict, ts: float, duration_us: float, name: str) -> None:
         nonlocal correlation
         correlation += 1
-        added.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": parent["pid"],
-                      "tid": parent["tid"], "ts": ts, "dur": 0.001, "args": {"correlation": correlation}})
-        added.append({"ph": "X", "cat": "kernel", "name": name, "pid": 0, "tid": 7, "ts": ts + 0.5,
-                      "dur": duration_us, "args": {"correlation": correlation, "stream": 7, "device": 0}})
+        added.extend(launch(parent, ts, 0.001, name, duration_us, correlation, kernel_ts=ts + 0.5))
 
     for op in outermost:
         if op["name"] in NO_KERNEL:
@@ -71,19 +66,16 @@ def _with_kernels(path, out, outside_us: float) -> dict:
             continue
         step = next(s for s in steps if s["ts"] <= op["ts"] <= s["ts"] + s["dur"])
         duration_us = 1.0 + (correlation % 7)
-        launch(op, op["ts"] + op["dur"] / 2, duration_us, f"void kernel_{op['name']}")
+        launch_at(op, op["ts"] + op["dur"] / 2, duration_us, f"void kernel_{op['name']}")
         key = (step["ts"], node["name"].removeprefix(kernel_times.NODE_MARK))
         expected[key] = expected.get(key, 0.0) + duration_us
     for step in steps:
         inside = [r for r in ranges if step["ts"] <= r["ts"] <= step["ts"] + step["dur"]]
         gap = max(r["ts"] + r["dur"] for r in inside)
-        launch(step, gap + 0.001, outside_us, "void outside_kernel")
+        launch_at(step, gap + 0.001, outside_us, "void outside_kernel")
     last = steps[-1]
-    added.append({"ph": "X", "cat": "kernel", "name": "void orphan_kernel", "pid": 0, "tid": 7,
-                  "ts": last["ts"] + last["dur"] + 50, "dur": 9.0, "args": {"correlation": 999999, "stream": 7}})
-    document["traceEvents"] += added
-    document["deviceProperties"] = [{"id": 0, "name": "NVIDIA H100 80GB HBM3"}]
-    out.write_text(json.dumps(document))
+    added.append(kernel("void orphan_kernel", last["ts"] + last["dur"] + 50, 9.0, 999999))
+    write(document, added, out)
     return {"expected": expected, "steps": [s["ts"] for s in steps], "ranges": ranges}
 
 

@@ -17,6 +17,7 @@ from fxworkload.pipeline import extract
 
 from ..conftest import tiny_config
 from ..test_cli import fxworkload
+from .cuda_events import NO_KERNEL, kernel, launch, write
 
 BATCH, SEQ = 2, 16
 
@@ -244,11 +245,6 @@ def test_calibrate_from_needs_its_workload_and_a_name(traced):
     assert run.returncode == 2 and "--from needs --name" in run.stderr
 
 
-NO_KERNEL = {"aten::view", "aten::as_strided", "aten::transpose", "aten::expand", "aten::unsqueeze", "aten::t",
-             "aten::reshape", "aten::_reshape_alias", "aten::detach", "detach", "aten::slice", "aten::select",
-             "aten::empty", "aten::empty_like", "aten::empty_strided", "aten::resolve_conj", "aten::lift_fresh"}
-
-
 def with_kernels(trace_path, out_path) -> dict:
     """A CUDA-style trace made from a CPU one: every leaf op that computes launches one kernel through
     cudaLaunchKernel (linked by correlation id, as Kineto writes them); one kernel has no launching
@@ -262,24 +258,14 @@ def with_kernels(trace_path, out_path) -> dict:
     pid, tid = ops[0]["pid"], ops[0]["tid"]
     for correlation, op in enumerate((op for op in leaves if op["name"] not in NO_KERNEL and op["dur"] > 0), start=1):
         duration_us = 1.0 + correlation % 7
-        added.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": op["pid"], "tid": op["tid"],
-                      "ts": op["ts"] + op["dur"] / 4, "dur": op["dur"] / 2, "args": {"correlation": correlation}})
-        added.append({"ph": "X", "cat": "kernel", "name": f"void kernel_{op['name']}", "pid": 0, "tid": 7,
-                      "ts": op["ts"] + op["dur"] / 4, "dur": duration_us,
-                      "args": {"correlation": correlation, "stream": 7, "device": 0}})
+        added += launch(op, op["ts"] + op["dur"] / 4, op["dur"] / 2, f"void kernel_{op['name']}", duration_us, correlation)
         kernel_ns[id(op)] = 1e3 * duration_us
     end = max(op["ts"] + op["dur"] for op in ops)
     comm = {"ph": "X", "cat": "cpu_op", "name": "record_param_comms", "pid": pid, "tid": tid, "ts": end + 10, "dur": 20,
             "args": {}}
-    added += [comm, {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": pid, "tid": tid,
-                     "ts": end + 15, "dur": 5, "args": {"correlation": 900001}},
-              {"ph": "X", "cat": "kernel", "name": "ncclDevKernel_AllReduce_Sum_f32_RING_LL", "pid": 0, "tid": 7,
-               "ts": end + 16, "dur": 40.0, "args": {"correlation": 900001, "stream": 7, "device": 0}},
-              {"ph": "X", "cat": "kernel", "name": "void orphan_kernel", "pid": 0, "tid": 7, "ts": end + 60, "dur": 3.0,
-               "args": {"correlation": 900002, "stream": 7, "device": 0}}]
-    document["traceEvents"] += added
-    document["deviceProperties"] = [{"id": 0, "name": "NVIDIA H100 80GB HBM3"}]
-    out_path.write_text(json.dumps(document))
+    added += [comm, *launch(comm, end + 15, 5, "ncclDevKernel_AllReduce_Sum_f32_RING_LL", 40.0, 900001, end + 16),
+              kernel("void orphan_kernel", end + 60, 3.0, 900002)]
+    write(document, added, out_path)
     return {"leaves": leaves, "kernel_ns": kernel_ns, "ops": ops}
 
 
