@@ -56,7 +56,7 @@ class DeviceProfile:
 
     def gpu_facts(self) -> GpuFacts:
         return GpuFacts(sm_count=self.sm_count, tensor_flops_per_s=self.matmul_flops_per_s,
-                        memory_bytes_per_s=self.memory_bytes_per_s)
+                        memory_bytes_per_s=self.memory_bytes_per_s, l2_bytes=self.l2_bytes)
 
     def gpu_model(self) -> GpuModel:
         return _model(self.gpu_model_fit, tuple(sorted(self.gpu_model_parameters.items())))

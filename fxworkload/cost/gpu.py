@@ -22,7 +22,9 @@ H100 and are shipped with their source, or fitted by ``fxworkload calibrate --on
   of times outside the main loop (the backward's dot(dO, O) and dQ conversion passes); an explicit
   mask costs a fitted fraction of the main loop more (its bias loaded and added in every block).
 - Memory-bound ops (``memory_ns``): a fixed cost per kernel plus bytes at the fitted fraction of the
-  bandwidth.
+  bandwidth (another for kernels that convert dtypes); a (log-)softmax over long rows reads them
+  again per reduction where PyTorch's kernel choice keeps them neither in registers, shared
+  memory nor L2 (``softmax_rereads``).
 - Host (``dispatch_ns``): each eager op costs the CPU a fitted dispatch time; a step whose kernels are
   shorter than their dispatch waits on the host (see ``two_stream_ns``).
 """
@@ -54,6 +56,9 @@ class GpuModel:
     gemm_kernel_ns: float = 5580.0  # fixed cost of one GEMM call (launch, prologue, epilogue)
     gemm_min_ns: float = 25200.0  # the shortest a cuBLAS call took back to back in eager PyTorch
     memory_efficiency: float = 0.74  # fraction of the datasheet bandwidth a streaming kernel reaches
+    # An elementwise kernel that converts dtypes (a bf16 -> fp32 copy, mixed-dtype arithmetic) runs
+    # TensorIterator's unrolled kernel with dynamic casting instead of the vectorized one (Loops.cuh).
+    memory_cast_efficiency: float = 0.58
     vector_kernel_ns: float = 3000.0  # fixed cost of one memory-bound kernel
     host_dispatch_ns: float = 10000.0  # CPU time of one eager aten op (Python, dispatcher, launch)
     attention_kernel_ns: float = 10000.0
@@ -109,6 +114,7 @@ class GpuFacts:
     sm_count: int
     tensor_flops_per_s: dict  # dtype name -> dense tensor-core peak (fp32: the FP32-unit peak, no TF32)
     memory_bytes_per_s: float
+    l2_bytes: int = 0  # 0: unknown (nothing is taken to stay in L2)
 
 
 ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2}  # dtypes by fxworkload's names (dtypes.DTYPES)
@@ -181,8 +187,42 @@ def attention_ns(flops: int, backend: str, backward: bool, dtype: str, *, batch:
     return model.attention_kernel_ns + 1e9 * seconds
 
 
-def memory_ns(nbytes: int, facts: GpuFacts, model: GpuModel, kernels: int = 1) -> float:
-    return kernels * model.vector_kernel_ns + 1e9 * nbytes / (facts.memory_bytes_per_s * model.memory_efficiency)
+# SoftMax.cu's kernel choice for rows along the last dimension (torch 2.11): rows of up to 1,024 run the
+# persistent warp kernel; longer ones a block of up to 1,024 threads per row, keeping the row in registers
+# while it needs fewer than 10 per thread (forward only), else in shared memory when it fits a block's
+# 48 KB and divides into 16-byte vectors; otherwise the plain block kernel reads the row again for
+# each reduction: the forward three times (max, sum of exp, output), the backward twice (sum, output).
+SOFTMAX_BLOCK_THREADS = 1024
+SOFTMAX_SHARED_BYTES = 48 * 1024  # sharedMemPerBlock of every NVIDIA GPU since Kepler
+SM_THREADS = 2048  # resident threads per SM (sm80, sm90): two 1,024-thread blocks
+
+
+def softmax_kernel(row: int, itemsize: int, backward: bool) -> str:
+    """Which SoftMax.cu kernel runs a (log-)softmax over rows of ``row`` elements: warp, registers,
+    shared or block (the one that reads the row again per reduction)."""
+    if row <= 1024:
+        return "warp"
+    if not backward and -(-row // SOFTMAX_BLOCK_THREADS) < 10:
+        return "registers"
+    reduction_bytes = SOFTMAX_BLOCK_THREADS // 32 * 4
+    if row < (SOFTMAX_SHARED_BYTES - reduction_bytes) // itemsize and row % (16 // itemsize) == 0:
+        return "shared"
+    return "block"
+
+
+def softmax_rereads(row: int, itemsize: int, backward: bool, facts: GpuFacts) -> int:
+    """Extra reads from memory of a (log-)softmax's first input, rows of ``row`` elements."""
+    if softmax_kernel(row, itemsize, backward) != "block":
+        return 0
+    rows_in_flight = facts.sm_count * SM_THREADS // SOFTMAX_BLOCK_THREADS
+    if facts.l2_bytes and rows_in_flight * row * itemsize <= facts.l2_bytes:
+        return 0  # the block's re-reads of its row hit L2
+    return 1 if backward else 2
+
+
+def memory_ns(nbytes: int, facts: GpuFacts, model: GpuModel, kernels: int = 1, casts: bool = False) -> float:
+    efficiency = model.memory_cast_efficiency if casts else model.memory_efficiency
+    return kernels * model.vector_kernel_ns + 1e9 * nbytes / (facts.memory_bytes_per_s * efficiency)
 
 
 def two_stream_ns(ops: list[tuple[float, float]]) -> float:

@@ -10,10 +10,12 @@ costs its launch, and each pass over the op's tensors its bytes.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-from .flops import ATTENTION, MATMUL, VIEW
-from .gpu import attention_ns, gemm_ns, memory_ns
+from .flops import ATTENTION, DATA_MOVEMENT, ELEMENTWISE, MATMUL, VIEW
+from .gpu import attention_ns, gemm_ns, memory_ns, softmax_rereads
 
 # The argument names of the fused attention ops (forward and backward) that say how the kernel runs.
 _ATTENTION_ARGUMENTS = ("query", "key", "value", "dropout_p", "is_causal", "attn_bias", "attn_mask")
@@ -67,5 +69,29 @@ def gpu_op_ns(op, device, dtype: str) -> float:
     if op.kind in (MATMUL, ATTENTION) and op.flops:  # other tensor-core ops: a cube of their size
         side = max(int(round((op.flops / 2) ** (1 / 3))), 1)
         return gemm_ns(side, side, side, 1, dtype, (8, 8, 8), facts, model)
-    kernels, passes = CUDA_KERNELS.get(op.op.split(".")[-2] if op.op.count(".") >= 2 else op.op, (1, 1.0))
-    return memory_ns(int(op.bytes * passes), facts, model, kernels)
+    name = op.op.split(".")[-2] if op.op.count(".") >= 2 else op.op
+    kernels, passes = CUDA_KERNELS.get(name, (1, 1.0))
+    return memory_ns(int(op.bytes * passes) + _softmax_reread_bytes(name, op, facts), facts, model, kernels,
+                     casts=_casts(op))
+
+
+def _casts(op) -> bool:
+    """An elementwise op or copy whose floating tensor inputs (0-dim scalars aside) are not all of its
+    output's dtype."""
+    if op.kind not in (ELEMENTWISE, DATA_MOVEMENT) or not op.output_dtypes:
+        return False
+    return any(dtype != op.output_dtypes[0] and getattr(torch, dtype).is_floating_point and shape
+               for dtype, shape in zip(op.input_dtypes, op.input_shapes))
+
+
+# (log-)softmax ops over rows along the last dimension -> whether it is a backward
+_SOFTMAX_OPS = {"_softmax": False, "_log_softmax": False, "_softmax_backward_data": True,
+                "_log_softmax_backward_data": True}
+
+
+def _softmax_reread_bytes(name: str, op, facts) -> int:
+    if name not in _SOFTMAX_OPS or not op.input_shapes or not op.input_shapes[0]:
+        return 0
+    shape = op.input_shapes[0]
+    itemsize = getattr(torch, op.input_dtypes[0]).itemsize
+    return softmax_rereads(shape[-1], itemsize, _SOFTMAX_OPS[name], facts) * math.prod(shape) * itemsize

@@ -1,7 +1,8 @@
 """Bytes one op moves through memory: every tensor it reads plus every tensor it writes.
 
 Gather ops (embedding, index_select, gather, index) read only the rows they gather, so their
-source table counts at the output's size, not its own. Aliasing ops (views, reshapes, getitem of
+source table counts at the output's size, not its own; so does the negative log-likelihood loss
+(one log-probability per row). Aliasing ops (views, reshapes, getitem of
 a multi-output op, detach) move 0 bytes, and so do allocations that no kernel fills (``empty``).
 Sizes are logical: numel × element size of each tensor as the op sees it (a broadcast input is
 counted at its broadcast size).
@@ -39,8 +40,22 @@ def _safe_softmax_bytes(args, kwargs, out) -> int:
     return 2 * size + (size + elements) + elements + 2 * size
 
 
-# ops that run several kernels, each pass over memory counted: op name -> bytes(args, kwargs, out)
-COMPOSITE_BYTES = {"_safe_softmax": _safe_softmax_bytes}
+def _nll_loss_forward_bytes(args, kwargs, out) -> int:
+    """Reads the target and, per row, the one log-probability it picks (not the whole input)."""
+    log_probs, target = args[0], args[1]
+    return tensor_bytes(target) + target.numel() * log_probs.element_size() + tensor_bytes(out)
+
+
+def _nll_loss_backward_bytes(args, kwargs, out) -> int:
+    """Writes the input-sized gradient (zeros, then the picked entries) and reads the target."""
+    grad_output, target = args[0], args[2]
+    return tensor_bytes(grad_output) + tensor_bytes(target) + tensor_bytes(out) + target.numel() * out.element_size()
+
+
+# ops whose memory traffic is not every tensor read plus every tensor written: several kernels (each
+# pass over memory counted) or a gather: op name -> bytes(args, kwargs, out)
+COMPOSITE_BYTES = {"_safe_softmax": _safe_softmax_bytes, "nll_loss_forward": _nll_loss_forward_bytes,
+                   "nll_loss_backward": _nll_loss_backward_bytes}
 
 
 def bytes_moved(target, args, kwargs, out) -> int:

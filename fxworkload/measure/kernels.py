@@ -211,7 +211,7 @@ def relative_errors(samples: list[Sample], device: DeviceProfile) -> list[float]
 
 # Which parameters each family's rows decide, fitted in this order.
 FAMILY_PARAMETERS = {
-    "vector": ("memory_efficiency", "vector_kernel_ns", "host_dispatch_ns"),
+    "vector": ("memory_efficiency", "memory_cast_efficiency", "vector_kernel_ns", "host_dispatch_ns"),
     "gemm": ("gemm_tensor_efficiency", "gemm_sm80_efficiency", "gemm_align1_efficiency", "gemm_fp32_efficiency",
              "gemm_tile_edge", "gemm_kernel_ns", "gemm_min_ns"),
     "sdpa": ("attention_kernel_ns", "cudnn_forward_efficiency", "cudnn_backward_efficiency",

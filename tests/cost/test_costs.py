@@ -152,3 +152,40 @@ def test_safe_softmax_moves_the_bytes_of_its_four_kernels():
     size, n = 192 * 4, 192
     assert bytes_moved(torch.ops.aten._safe_softmax.default, (x, -1), {}, y) == (2 * size + (size + n) + n + 2 * size)
     assert bytes_moved(torch.ops.aten._softmax.default, (x, -1, False), {}, y) == 2 * size
+
+
+def test_the_nll_loss_reads_one_log_probability_per_row():
+    """By hand: the forward reads the targets and the one entry each picks (not the N x C input); the
+    backward writes the N x C gradient once (zeros, then the picked entries) and reads the targets."""
+    import torch
+
+    from fxworkload.cost.traffic import bytes_moved
+    log_probs, target = torch.randn(16, 1000).log_softmax(-1), torch.randint(0, 1000, (16,))
+    out = torch.ops.aten.nll_loss_forward(log_probs, target, None, 1, -100)
+    forward = bytes_moved(torch.ops.aten.nll_loss_forward.default, (log_probs, target, None, 1, -100), {}, out)
+    assert forward == 16 * 8 + 16 * 4 + 2 * 4
+    grad = torch.ops.aten.nll_loss_backward(torch.tensor(1.0), log_probs, target, None, 1, -100, out[1])
+    backward = bytes_moved(torch.ops.aten.nll_loss_backward.default,
+                           (torch.tensor(1.0), log_probs, target, None, 1, -100, out[1]), {}, grad)
+    assert backward == 4 + 16 * 8 + 16 * 1000 * 4 + 16 * 4
+
+
+def test_a_copy_that_converts_dtypes_runs_at_the_casting_rate():
+    """By hand: bf16 -> fp32 is TensorIterator's unrolled casting kernel (its own fitted efficiency);
+    an fp32 copy and a bf16 add of a 0-dim fp32 scalar tensor stay vectorized."""
+    import torch
+
+    from fxworkload.cost.devices import load
+    from fxworkload.cost.optime import gpu_op_ns
+    from fxworkload.measure.kernels import _traced_ops
+
+    device = load("h100-sxm")
+    model, facts = device.gpu_model(), device.gpu_facts()
+    x = torch.randn(1024, 1024, dtype=torch.bfloat16)
+    cast, = [op for op in _traced_ops(lambda x: x.float(), [x]) if op.bytes]
+    assert cast.bytes == 1024 * 1024 * 6
+    assert gpu_op_ns(cast, device, "bf16") == pytest.approx(
+        model.vector_kernel_ns + 1e9 * cast.bytes / (facts.memory_bytes_per_s * model.memory_cast_efficiency))
+    add, = [op for op in _traced_ops(lambda x: x + torch.tensor(2.0), [x]) if op.op == "aten.add.Tensor"]
+    assert gpu_op_ns(add, device, "bf16") == pytest.approx(
+        model.vector_kernel_ns + 1e9 * add.bytes / (facts.memory_bytes_per_s * model.memory_efficiency))

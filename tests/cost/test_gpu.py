@@ -175,3 +175,39 @@ def test_a_grouped_gemm_is_one_kernel_over_the_tiles_of_its_groups():
     wave_ns = gemm_ns(512, 5120, 8192, 16, "bf16", (8, 8, 8), device.gpu_facts(), model, grouped=True)
     as_cube = gemm_ns(8192, 5120, 8192, 1, "bf16", (8, 8, 8), device.gpu_facts(), model)
     assert gpu_op_ns(op, device, "bf16") == wave_ns and wave_ns > 1.2 * as_cube  # slower than cuBLAS's one GEMM
+
+
+def _softmax_rows():
+    with open(FIXTURES / "h100_softmax_kernels.csv", newline="") as f:
+        return [dict(r, _line=i) for i, r in enumerate(csv.DictReader(f), start=2)]
+
+
+def test_softmax_runs_the_kernel_pytorch_chooses_for_its_row_length():
+    """Oracle: the kernel that ran for each of 30 softmaxes measured on an H100 (rows of 768, 4,096
+    and 50,304, bf16 and fp32): the warp kernel, the register kernel, or the block kernel that reads
+    the row once per reduction."""
+    from fxworkload.cost.gpu import softmax_kernel
+
+    names = {"warp": "softmax_warp_forward", "registers": "cunn_SoftMaxForwardReg", "block": "cunn_SoftMaxForward<"}
+    rows = _softmax_rows()
+    assert len(rows) == 30
+    for row in rows:
+        chosen = softmax_kernel(int(row["cols"]), 2 if row["dtype"] == "bf16" else 4, backward=False)
+        assert names[chosen] in row["kernels"], row
+
+
+def test_a_long_softmax_rereads_its_rows_unless_the_rows_in_flight_fit_in_l2():
+    """By hand: 132 SMs x 2 blocks of one row each; fp32 rows of 50,304 are 53 MB in flight, over the
+    H100's 50 MB L2 (read three times: max, sum, output), bf16 ones 27 MB (re-read from L2). Oracle:
+    the largest fp32 row of the measured softmaxes, 750 us, within 10%."""
+    from fxworkload.cost.gpu import softmax_rereads
+
+    device = load("h100-sxm")
+    facts = device.gpu_facts()
+    assert softmax_rereads(50304, 4, False, facts) == 2 and softmax_rereads(50304, 4, True, facts) == 1
+    assert softmax_rereads(50304, 2, False, facts) == 0 and softmax_rereads(4096, 4, False, facts) == 0
+    assert softmax_rereads(50304, 2, False, GpuFacts(132, {}, 3e12)) == 2  # no L2 known: from memory
+    largest = [r for r in _softmax_rows() if r["dtype"] == "fp32" and r["cols"] == "50304" and r["rows"] == "2668"]
+    sample, = kernels.vector_samples(largest, kernels.target_of(device))
+    error, = kernels.relative_errors([sample], device)
+    assert abs(error) <= 0.10
