@@ -72,13 +72,14 @@ def gpu_op_ns(op, device, dtype: str) -> float:
     name = op.op.split(".")[-2] if op.op.count(".") >= 2 else op.op
     kernels, passes = CUDA_KERNELS.get(name, (1, 1.0))
     return memory_ns(int(op.bytes * passes) + _softmax_reread_bytes(name, op, facts), facts, model, kernels,
-                     casts=_casts(op))
+                     casts=_casts(name, op))
 
 
-def _casts(op) -> bool:
-    """An elementwise op or copy whose floating tensor inputs (0-dim scalars aside) are not all of its
-    output's dtype."""
-    if op.kind not in (ELEMENTWISE, DATA_MOVEMENT) or not op.output_dtypes:
+def _casts(name: str, op) -> bool:
+    """A TensorIterator op (elementwise or copy) whose floating tensor inputs (0-dim scalars aside) are
+    not all of its output's dtype. Softmax kernels convert in their own loads (half_to_float)."""
+    if op.kind not in (ELEMENTWISE, DATA_MOVEMENT) or not op.output_dtypes or name in _SOFTMAX_OPS \
+            or name in CUDA_KERNELS:
         return False
     return any(dtype != op.output_dtypes[0] and getattr(torch, dtype).is_floating_point and shape
                for dtype, shape in zip(op.input_dtypes, op.input_shapes))

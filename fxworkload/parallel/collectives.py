@@ -15,6 +15,10 @@ Expert parameters are reduced over the expert-data-parallel group (dp / ep ranks
 
 from __future__ import annotations
 
+from bisect import bisect_left
+from itertools import accumulate
+from operator import attrgetter
+
 from ..capture.trace import FORWARD, INPUT_GRAD, WEIGHT_GRAD
 from .layout import Parallel
 from .units import EMBEDDING, HEAD, Comm, Unit, is_expert
@@ -126,14 +130,15 @@ def _buckets(grads: list, bucket_mb: float) -> list[list]:
     them, last-defined first. bucket_mb 0 = one bucket per group."""
     if bucket_mb == 0:
         return [[g] for g in reversed(grads)]
-    buckets, current, size = [], [], 0
-    for g in grads:
-        current.append(g)
-        size += g.bytes
-        if size >= (FIRST_BUCKET_BYTES if not buckets else int(bucket_mb * (1 << 20))):
-            buckets.append(current)
-            current, size = [], 0
-    return list(reversed(buckets + ([current] if current else [])))
+    filled = list(accumulate(map(attrgetter("bytes"), grads)))  # bytes up to and including each group
+    buckets, start = [], 0
+    while start < len(grads):
+        cap = FIRST_BUCKET_BYTES if not buckets else int(bucket_mb * (1 << 20))
+        closing = bisect_left(filled, (filled[start - 1] if start else 0) + cap, lo=start)  # the group reaching the cap
+        end = min(closing + 1, len(grads))
+        buckets.append(grads[start:end])
+        start = end
+    return list(reversed(buckets))
 
 
 def _dp_row(name: str, comm: Comm) -> Unit:
