@@ -151,6 +151,12 @@ def op_name(target) -> str:
     return getattr(target, "__name__", str(target))
 
 
+def base_name(op: str) -> str:
+    """``addmm`` for the recorded op string aten.addmm.default, ``getitem`` for getitem."""
+    parts = op.split(".")
+    return parts[-2] if len(parts) >= 3 else op
+
+
 def op_kind(target, is_alias: bool) -> str:
     if is_alias or target is operator.getitem:
         return VIEW

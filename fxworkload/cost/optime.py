@@ -14,11 +14,9 @@ import math
 
 import torch
 
-from .flops import ATTENTION, DATA_MOVEMENT, ELEMENTWISE, MATMUL, VIEW
+from .flops import ATTENTION, DATA_MOVEMENT, ELEMENTWISE, MATMUL, VIEW, base_name
 from .gpu import attention_ns, gemm_ns, memory_ns, softmax_rereads
 
-# The argument names of the fused attention ops (forward and backward) that say how the kernel runs.
-_ATTENTION_ARGUMENTS = ("query", "key", "value", "dropout_p", "is_causal", "attn_bias", "attn_mask")
 _FUSED_BACKENDS = {"cudnn", "flash", "efficient"}
 
 # Ops that CUDA runs as several kernels: op name -> (kernels, passes over the bytes the op moves).
@@ -30,6 +28,10 @@ CUDA_KERNELS = {
     # (traffic.COMPOSITE_BYTES, the same on the CPU).
     "_safe_softmax": (5, 1.0),
 }
+
+# (log-)softmax ops over rows along the last dimension -> whether it is a backward
+_SOFTMAX_OPS = {"_softmax": False, "_log_softmax": False, "_softmax_backward_data": True,
+                "_log_softmax_backward_data": True}
 
 
 def attention_facts(target, args, kwargs) -> dict | None:
@@ -69,7 +71,7 @@ def gpu_op_ns(op, device, dtype: str) -> float:
     if op.kind in (MATMUL, ATTENTION) and op.flops:  # other tensor-core ops: a cube of their size
         side = max(int(round((op.flops / 2) ** (1 / 3))), 1)
         return gemm_ns(side, side, side, 1, dtype, (8, 8, 8), facts, model)
-    name = op.op.split(".")[-2] if op.op.count(".") >= 2 else op.op
+    name = base_name(op.op)
     kernels, passes = CUDA_KERNELS.get(name, (1, 1.0))
     return memory_ns(int(op.bytes * passes) + _softmax_reread_bytes(name, op, facts), facts, model, kernels,
                      casts=_casts(name, op))
@@ -83,11 +85,6 @@ def _casts(name: str, op) -> bool:
         return False
     return any(dtype != op.output_dtypes[0] and getattr(torch, dtype).is_floating_point and shape
                for dtype, shape in zip(op.input_dtypes, op.input_shapes))
-
-
-# (log-)softmax ops over rows along the last dimension -> whether it is a backward
-_SOFTMAX_OPS = {"_softmax": False, "_log_softmax": False, "_softmax_backward_data": True,
-                "_log_softmax_backward_data": True}
 
 
 def _softmax_reread_bytes(name: str, op, facts) -> int:

@@ -192,7 +192,7 @@ def op_estimate_ns(op: OpCost, device: DeviceProfile) -> float:
     if device.sm_count:
         return gpu_op_ns(op, device, DTYPE_NAMES.get(dtype, "fp32"))
     return estimate_ns(op.flops, op.bytes, dtype, device, uses_matmul_units=op.kind in (flop_rules.MATMUL,
-                       flop_rules.ATTENTION), op_name=_base_name(op.op), gemm=op.gemm_mkn)
+                       flop_rules.ATTENTION), op_name=flop_rules.base_name(op.op), gemm=op.gemm_mkn)
 
 
 def op_dispatch_ns(op: OpCost, device: DeviceProfile) -> float:
@@ -200,12 +200,6 @@ def op_dispatch_ns(op: OpCost, device: DeviceProfile) -> float:
     if not device.sm_count or op.kind == flop_rules.VIEW or (op.flops == 0 and op.bytes == 0):
         return 0.0
     return device.gpu_model().host_dispatch_ns
-
-
-def _base_name(op: str) -> str:
-    """``addmm`` for aten.addmm.default, ``getitem`` for getitem."""
-    parts = op.split(".")
-    return parts[-2] if len(parts) >= 3 else op
 
 
 def cost_of(node: torch.fx.Node, phase: str, device: DeviceProfile | None) -> OpCost:
