@@ -43,7 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     extract.add_argument("--format", default="tables",
                          help="what to write, comma-separated: tables (workload.tsv, workload.json), "
                               "simai (workload.simai.txt), chrome-trace (workload.trace.json), chakra (workload.<rank>.et, "
-                              "one Chakra execution trace per rank); default tables")
+                              "one Chakra execution trace per rank, and workload.comm_groups.json, ASTRA-sim's "
+                              "--comm-group-configuration); default tables")
     _add_parallel_arguments(extract)
     extract.add_argument("--out", type=_out_dir, default=None,
                          help="output folder, replaced whole by this run (default outputs/<name>/)")

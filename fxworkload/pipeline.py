@@ -81,6 +81,11 @@ class Extraction:
         text += "\n" + memory_summary_text(self.memory, self.device.name)
         if self.cluster_or_none() is not None:
             text += "\n" + cluster_summary_text(self.cluster)
+        if formats is not None and "simai" in formats and parallel.vpp > 1:
+            text += (f"\nnote: --vpp {parallel.vpp}: the SimAI file holds this device's {parallel.vpp} chunks, once per "
+                     "micro-batch in the schedule's forward order, and vpp in its header for SimAI's bubble formula; "
+                     "SimAI runs every forward before every backward and has no row for the transfers between "
+                     "chunks\n")
         if formats is not None and "simai" in formats and parallel.dp == 1:
             text += ("\nnote: --dp 1: the SimAI file has no gradient all-reduce; pass --dp N for the data-parallel "
                      "collectives of an N-replica run\n")
@@ -88,7 +93,8 @@ class Extraction:
 
     def files(self, formats=("tables",)) -> dict[str, str | bytes]:
         """File name -> content of each format: tables (workload.tsv, workload.json), simai
-        (workload.simai.txt), chrome-trace (workload.trace.json), chakra (workload.<rank>.et each)."""
+        (workload.simai.txt), chrome-trace (workload.trace.json), chakra (workload.<rank>.et each and
+        workload.comm_groups.json)."""
         from .formats.tables import json_text, tsv_text
 
         formats = check_formats(formats)

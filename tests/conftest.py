@@ -37,4 +37,6 @@ def tiny_dirs(tmp_path_factory):
         path = tmp_path_factory.mktemp(f"tiny-{model_type}")
         tiny_config(model_type).save_pretrained(path)
         dirs[model_type] = path
+    dirs["llama4"] = tmp_path_factory.mktemp("tiny-llama4")  # four layers: pp 2 x vpp 2
+    tiny_config("llama", num_hidden_layers=4).save_pretrained(dirs["llama4"])
     return dirs

@@ -30,7 +30,7 @@ def test_the_readme_snippet_runs_as_written(tmp_path, monkeypatch, capsys):
     assert sorted(p.name for p in out.iterdir()) == ["manifest.json", "workload.json", "workload.simai.txt",
                                                       "workload.tsv"]
     assert json.loads((out / "workload.json").read_text())["totals"] == rank.totals
-    assert rank.settings["parallel"]["tp"] == 8 and rank.rank.layers == range(0, 10)
+    assert rank.settings["parallel"]["tp"] == 8 and rank.rank.layers == list(range(0, 10))
 
 
 def test_api_files_are_the_clis_files(tiny_dirs, tmp_path, capsys):

@@ -24,12 +24,12 @@ from dataclasses import dataclass, field, replace
 from ..capture.trace import FORWARD, INPUT_GRAD, WEIGHT_GRAD
 from ..cost.devices import DeviceProfile
 from ..dtypes import DTYPES
-from ..parallel.collectives import ALLGATHER, add_model_parallel, data_parallel_units, stage_units
+from ..parallel.collectives import ALLGATHER
 from ..parallel.facts import ModelFacts
-from ..parallel.layout import Parallel, virtual_stage_layers
+from ..parallel.layout import Parallel
 from ..parallel.memory import ADAM_BYTES_PER_PARAMETER
-from ..parallel.rank import keep_tied_copy
-from ..parallel.units import Unit, split
+from ..parallel.rank import device_chunks, model_chunks, split_once
+from ..parallel.units import Unit
 from ..workload.table import Workload
 from .network import comm_ns, p2p_ns
 from .schedule import BACKWARD, Pass, timelines
@@ -47,8 +47,9 @@ class DeviceSummary:
     pipeline_end_ns: float
     data_parallel_end_ns: float
     optimizer_ns: float
-    zero_gather_ns: float
+    zero_gather_ns: float  # ZeRO 1/2: the updated parameters' gathers after the optimizer
     end_ns: float
+    zero3_gather_ns: tuple[float, float] = (0.0, 0.0)  # ZeRO 3: one forward and one backward pass's gathers
 
 
 @dataclass
@@ -108,48 +109,6 @@ class ClusterStep:
                 "devices": [vars(d) for d in self.devices]}
 
 
-def device_chunks(facts: ModelFacts, workload: Workload, p: Parallel, device: int, micro_batch: int, seq: int,
-                  dtype: str, grad_dtype: str) -> tuple[list[list[Unit]], list[Unit]]:
-    """Device ``device``'s model chunks (units, collectives attached) and its units in forward order
-    with the data-parallel rows inserted where DDP issues them."""
-    units = _units(facts, workload)
-    chunks = [[_fresh(u) for u in chunk] for chunk in _chunks(facts, units, p, device)]
-    mine = [u for chunk in chunks for u in chunk]
-    if device == p.pp - 1 and p.pp > 1 and facts.tied_embedding is not None:
-        keep_tied_copy(facts.tied_embedding, units, mine)
-    act_itemsize = DTYPES[dtype].itemsize
-    add_model_parallel(mine, p, micro_batch, seq, facts.hidden, act_itemsize, facts.top_k)
-    return chunks, data_parallel_units(mine, p, DTYPES[grad_dtype].itemsize, act_itemsize)
-
-
-def _chunks(facts: ModelFacts, units: list[Unit], p: Parallel, device: int) -> list[list[Unit]]:
-    ranges = virtual_stage_layers(p, facts.layers)
-    last = len(ranges) - 1
-    return [stage_units(units, ranges[c * p.pp + device], c * p.pp + device == 0, c * p.pp + device == last)
-            for c in range(p.vpp)]
-
-
-_SPLIT: dict[int, tuple[Workload, list[Unit]]] = {}
-
-
-def _units(facts: ModelFacts, workload: Workload) -> list[Unit]:
-    """The workload's units, split once per table (a layout search evaluates many layouts of one)."""
-    held = _SPLIT.get(id(workload))
-    if held is None or held[0] is not workload:
-        if len(_SPLIT) >= 8:
-            _SPLIT.clear()
-        units = split(workload, facts.stack, list(facts.row_parallel))
-        for u in units:
-            u.costs = {ph: (u.ns(ph), u.flops(ph)) for ph in (FORWARD, INPUT_GRAD, WEIGHT_GRAD)}
-        held = _SPLIT[id(workload)] = (workload, units)
-    return held[1]
-
-
-def _fresh(unit: Unit) -> Unit:
-    """A copy a layout may attach its collectives and tied gradients to."""
-    return replace(unit, grads=list(unit.grads), comms={ph: [] for ph in (FORWARD, INPUT_GRAD, WEIGHT_GRAD)})
-
-
 def cluster_step(facts: ModelFacts, workload: Workload, model_workload: Workload, p: Parallel, micro_batch: int,
                  seq: int, dtype: str, grad_dtype: str, device: DeviceProfile) -> ClusterStep:
     """``workload``: the step as it runs (recomputation applied); ``model_workload``: as captured,
@@ -158,19 +117,21 @@ def cluster_step(facts: ModelFacts, workload: Workload, model_workload: Workload
     forward, backward, comm, flops, layouts = [], [], [], [], []
     for d in range(p.pp):
         chunks, with_dp = device_chunks(facts, workload, p, d, micro_batch, seq, dtype, grad_dtype)
-        model_chunks = _chunks(facts, _units(facts, model_workload), p, d)
+        captured_chunks = model_chunks(facts, split_once(facts, model_workload), p, d)
         forward_passes = [_pass(c, FORWARD, p, device) for c in chunks]
         backward_passes = [_pass(c, INPUT_GRAD, p, device) for c in chunks]
         forward.append([ns for ns, _ in forward_passes])
         backward.append([ns for ns, _ in backward_passes])
         comm.append(_blocking_comm(forward_passes + backward_passes))
-        flops.append((_flops(model_chunks), _flops(chunks)))
+        flops.append((_flops(captured_chunks), _flops(chunks)))
         layouts.append((chunks, with_dp))
+    zero3 = [(0.0, 0.0)] * p.pp
     if p.zero == 3:  # the gathers run beside each pass; what a pass cannot hide lengthens it
         for d in range(p.pp):
-            gather_f, gather_b = _zero3_gather_ns(layouts[d][1], p, device)
-            forward[d] = [max(f, gather_f / p.vpp) for f in forward[d]]
-            backward[d] = [max(b, gather_b / p.vpp) for b in backward[d]]
+            gather_f, gather_b = (ns / p.vpp for ns in _zero3_gather_ns(layouts[d][1], p, device))
+            zero3[d] = (gather_f, gather_b)
+            forward[d] = [max(f, gather_f) for f in forward[d]]
+            backward[d] = [max(b, gather_b) for b in backward[d]]
     boundary = micro_batch * seq * facts.hidden * DTYPES[dtype].itemsize // (p.tp if p.sp else 1)
     transfer = p2p_ns(boundary, p, device)
     passes = timelines(p.pp, p.vpp, p.micro_batches, forward, backward, transfer)
@@ -187,7 +148,8 @@ def cluster_step(facts: ModelFacts, workload: Workload, model_workload: Workload
         end = max(pipeline_end, dp_end) + optimizer + gather
         devices.append(DeviceSummary(device=d, compute_ns=compute, blocking_comm_ns=comm[d],
                                      pipeline_end_ns=pipeline_end, data_parallel_end_ns=dp_end,
-                                     optimizer_ns=optimizer, zero_gather_ns=gather, end_ns=end))
+                                     optimizer_ns=optimizer, zero_gather_ns=gather, end_ns=end,
+                                     zero3_gather_ns=zero3[d]))
     slowest = max(devices, key=lambda x: x.end_ns)
     busiest = max(devices, key=lambda x: x.compute_ns)
     pipeline_ns = max(x.pipeline_end_ns for x in devices)

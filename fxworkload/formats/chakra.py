@@ -1,30 +1,48 @@
-"""MLCommons Chakra execution traces of the cluster's step: one ``workload.<rank>.et`` per rank.
+"""MLCommons Chakra execution traces of the cluster's step: one ``workload.<rank>.et`` per rank and
+``workload.comm_groups.json``, the communicator groups those traces name.
 
 Written with the ``mlc-chakra`` package (its protobuf schema, ``et_def_pb2``, and its ``protolib``
-length-delimited encoder), as ASTRA-sim 2.0 reads them: a GlobalMetadata message, then one Node
-per operation. Each rank runs its stage's passes in the pipeline schedule's order
-(cluster/schedule.py); within a pass its units' compute (``COMP_NODE``: ``duration_micros``,
-``num_ops`` FLOPs, ``tensor_size`` bytes moved) and the tensor/expert-parallel collectives
-Megatron-LM runs there (``COMM_COLL_NODE``: ``comm_type``, ``comm_size`` bytes, ``pg_name`` the
-group), one after another (control dependencies). A pass waits for its input from the
-neighbouring stage (``COMM_RECV_NODE`` / ``COMM_SEND_NODE`` with ``comm_src``, ``comm_dst``,
-``comm_tag``: data dependencies). Data-parallel buckets follow the compute node that completes
-them (data dependency) and each other (control dependency), off the compute chain.
+length-delimited encoder) as ASTRA-sim 2.0 runs them (astra-sim c459ab61, Chakra 214f2c55):
+a GlobalMetadata message, then one Node per operation. What its feeder and workload layer read:
+- ``pg_name`` of a collective is a communicator-group id, parsed with ``std::stoi`` and looked up
+  in the ``--comm-group-configuration`` file (astra-sim/workload/Workload.cc, extract_comm_group);
+  the file maps each id to its member ranks (initialize_comm_groups);
+- ``comm_src``, ``comm_dst`` and ``comm_tag`` are read as ``int32_val``, ``comm_size`` and
+  ``comm_type`` as ``int64_val``, ``tensor_size`` as ``uint64_val`` (src/feeder/et_feeder_node.cpp);
+  a send and a receive pair up by (tag, source, destination, size);
+- a node is released when its ``data_deps`` are done (ETFeeder::freeChildrenNodes): every ordering
+  here is a data dependency, ``ctrl_deps`` are not written;
+- a compute node lasts ``duration_micros`` (whole microseconds); a collective's time is the
+  simulator's own; one compute and one collective or send run at a time (HardwareResource.cc).
 
-Ranks are numbered as Megatron-LM does: tensor-parallel innermost, then data-parallel, pipeline
-stage outermost.
+Each rank runs its device's passes in the pipeline schedule's order (cluster/schedule.py): a pass
+waits for its input from the neighbouring stage (receive), then runs its units' compute
+(``COMP_NODE``: ``num_ops`` FLOPs, ``tensor_size`` bytes moved) with the tensor/expert-parallel
+collectives Megatron-LM runs there (``COMM_COLL_NODE``), one after another, and sends its output
+without waiting for the transfer. ZeRO 3 gathers a chunk's parameters beside each pass, which
+ends when both are done. Data-parallel buckets follow the compute that completes them and each
+other; the optimizer step follows the last pass and the last bucket, and ZeRO 1/2's parameter
+gathers follow it, as in the cluster step.
+
+Ranks are numbered as Megatron-LM does: tensor-parallel innermost, then data-parallel (expert-
+parallel groups are consecutive data-parallel ranks), pipeline stage outermost.
 """
 
 from __future__ import annotations
 
 import io
+import json
 
 from ..capture.trace import FORWARD, INPUT_GRAD, WEIGHT_GRAD
 from ..errors import UserError
+from ..parallel.collectives import ALLGATHER
 
 MAX_RANKS = 1024  # one file per rank: past this the folder is larger than any simulator run wants
 COMM_TYPES = {"ALLREDUCE": "ALL_REDUCE", "ALLGATHER": "ALL_GATHER", "REDUCESCATTER": "REDUCE_SCATTER",
               "ALLTOALL": "ALL_TO_ALL"}
+GROUPS_FILE = "workload.comm_groups.json"
+GROUP_KINDS = ("tp", "dp", "ep", "dp_ep")
+INT32_FIELDS = ("comm_src", "comm_dst", "comm_tag")
 
 
 def _schema():
@@ -43,110 +61,194 @@ def check_world(parallel) -> None:
                         "simulate a smaller --dp (the ranks of a stage differ only in their peers)")
 
 
-def chakra_files(cluster) -> dict[str, bytes]:
+def group_members(kind: str, rank: int, p) -> list[int]:
+    """The ranks of ``rank``'s tensor-, data-, expert- or expert-data-parallel group."""
+    stage_ranks = p.tp * p.dp
+    stage, within = divmod(rank, stage_ranks)
+    d, t = divmod(within, p.tp)
+    if kind == "tp":
+        peers = [(d, x) for x in range(p.tp)]
+    elif kind == "dp":
+        peers = [(x, t) for x in range(p.dp)]
+    elif kind == "ep":
+        peers = [(d - d % p.ep + x, t) for x in range(p.ep)]
+    else:
+        peers = [(x, t) for x in range(d % p.ep, p.dp, p.ep)]
+    return [stage * stage_ranks + x * p.tp + y for x, y in peers]
+
+
+def comm_groups(p) -> dict[tuple[str, int], int]:
+    """(group kind, rank) -> the group's id, numbered from 1 in order of kind and first member; kinds
+    with the same members (dp and dp_ep without expert parallelism) share one communicator; groups
+    of one rank (no collective runs there) get none."""
+    ids: dict[tuple[int, ...], int] = {}
+    out = {}
+    for kind in GROUP_KINDS:
+        for rank in range(p.world):
+            members = tuple(group_members(kind, rank, p))
+            if len(members) > 1:
+                out[(kind, rank)] = ids.setdefault(members, len(ids) + 1)
+    return out
+
+
+def groups_json(p) -> str:
+    members: dict[int, list[int]] = {}
+    for (kind, rank), gid in comm_groups(p).items():
+        members.setdefault(gid, group_members(kind, rank, p))
+    return json.dumps({str(gid): ranks for gid, ranks in sorted(members.items())}, indent=1) + "\n"
+
+
+def chakra_files(cluster) -> dict[str, bytes | str]:
     check_world(cluster.parallel)
     pb, encode = _schema()
     p = cluster.parallel
-    stage_ranks = p.tp * p.dp
-    files = {}
+    groups = comm_groups(p)
+    files: dict[str, bytes | str] = {}
     for rank in range(p.world):
-        stage, within = divmod(rank, stage_ranks)
-        nodes = _rank_nodes(pb, cluster, stage, within, stage_ranks)
         out = io.BytesIO()
         encode(out, pb.GlobalMetadata(version="0.0.4"))
-        for node in nodes:
+        for node in _rank_nodes(pb, cluster, rank, groups):
             encode(out, node)
         files[f"workload.{rank}.et"] = out.getvalue()
+    files[GROUPS_FILE] = groups_json(p)
     return files
 
 
 class _Builder:
-    def __init__(self, pb):
-        self.pb, self.nodes, self.last = pb, [], None
+    """Nodes in file order; ``last`` is the end of the compute stream's chain."""
 
-    def add(self, name: str, kind, chained: bool = True, data_deps=(), **attrs):
+    def __init__(self, pb, rank: int, groups: dict, parallel):
+        self.pb, self.rank, self.groups, self.parallel = pb, rank, groups, parallel
+        self.nodes: list = []
+        self.last: list[int] = []  # what the next node of the chain waits for
+
+    def add(self, name: str, kind, deps, chained: bool = True, **attrs) -> int:
         node = self.pb.Node(id=len(self.nodes), name=name, type=kind)
         node.attr.append(self.pb.AttributeProto(name="is_cpu_op", bool_val=False))
         for key, value in attrs.items():
             if key == "duration_ns":
                 node.duration_micros = round(value / 1e3)
-            elif key == "pg_name":
-                node.attr.append(self.pb.AttributeProto(name=key, string_val=value))
+            elif key == "group":
+                node.attr.append(self.pb.AttributeProto(name="pg_name", string_val=str(self.groups[(value, self.rank)])))
             elif key == "comm_type":
                 node.attr.append(self.pb.AttributeProto(name=key, int64_val=getattr(self.pb, COMM_TYPES[value])))
             elif key == "tensor_size":
                 node.attr.append(self.pb.AttributeProto(name=key, uint64_val=int(value)))
+            elif key in INT32_FIELDS:
+                node.attr.append(self.pb.AttributeProto(name=key, int32_val=int(value)))
             else:
                 node.attr.append(self.pb.AttributeProto(name=key, int64_val=int(value)))
-        if chained and self.last is not None:
-            node.ctrl_deps.append(self.last)
-        node.data_deps.extend(data_deps)
+        node.data_deps.extend(sorted(set(deps)))
         self.nodes.append(node)
         if chained:
-            self.last = node.id
+            self.last = [node.id]
         return node.id
 
+    def comm_size(self, comm) -> int:
+        """ASTRA-sim's ring takes an all-gather's size as each rank's input, the whole buffer divided by the
+        group (Ring.cc: All_Gather final_data_size = data_size * nodes_in_ring); the other collectives' as
+        the whole buffer (All_Reduce, Reduce_Scatter, All_to_All: msg_size = data_size / nodes_in_ring)."""
+        if comm.type != ALLGATHER:
+            return comm.bytes
+        return comm.bytes // len(group_members(comm.group, self.rank, self.parallel))
 
-def _rank_nodes(pb, cluster, stage: int, within: int, stage_ranks: int) -> list:
+    def chain(self, name: str, kind, extra=(), **attrs) -> int:
+        return self.add(name, kind, [*self.last, *extra], **attrs)
+
+    def collective(self, name: str, comm, duration_ns: float, deps=None) -> int:
+        attrs = dict(comm_type=comm.type, comm_size=self.comm_size(comm), group=comm.group, duration_ns=duration_ns)
+        if deps is None:
+            return self.chain(name, self.pb.COMM_COLL_NODE, **attrs)
+        return self.add(name, self.pb.COMM_COLL_NODE, deps, chained=False, **attrs)
+
+
+def _rank_nodes(pb, cluster, rank: int, groups: dict) -> list:
     from ..cluster.network import comm_ns
 
     p = cluster.parallel
-    units = cluster.device_units[stage]
-    chunks = cluster.device_chunks[stage]
-    b = _Builder(pb)
+    stage_ranks = p.tp * p.dp
+    stage, within = divmod(rank, stage_ranks)
+    units, chunks = cluster.device_units[stage], cluster.device_chunks[stage]
+    b = _Builder(pb, rank, groups, p)
     completes: dict[int, int] = {}  # id(unit) -> its last backward compute node of the step
     last_virtual = p.pp * p.vpp - 1
     boundary = cluster.boundary_bytes
+    gathers = _zero3_gathers(units, p) if p.zero == 3 else {}
     for kind, chunk, mb, _, _ in cluster.device_passes[stage]:
         virtual = chunk * p.pp + stage
         forward = kind == "F"
         source = virtual - 1 if forward else virtual + 1
-        deps = []
         if 0 <= source <= last_virtual and not (not forward and virtual == last_virtual):
-            peer = (source % p.pp) * stage_ranks + within
-            deps.append(b.add(f"recv {'activation' if forward else 'gradient'} mb{mb}", pb.COMM_RECV_NODE,
-                              comm_src=peer, comm_dst=stage * stage_ranks + within, comm_size=boundary,
-                              comm_tag=_tag(forward, source, mb)))
-        sequence = chunks[chunk] if forward else list(reversed(chunks[chunk]))
-        for unit in sequence:
-            phases = (FORWARD,) if forward else (INPUT_GRAD, WEIGHT_GRAD)
-            for phase in phases:
-                node = b.add(f"mb{mb} {unit.name} {phase}", pb.COMP_NODE, data_deps=deps,
-                             duration_ns=unit.costs[phase][0], num_ops=unit.costs[phase][1],
-                             tensor_size=sum(op.bytes for op in unit.ops(phase)))
-                deps = []
+            b.chain(f"recv {'activation' if forward else 'gradient'} mb{mb}", pb.COMM_RECV_NODE,
+                    comm_src=(source % p.pp) * stage_ranks + within, comm_dst=rank, comm_size=boundary,
+                    comm_tag=_tag(forward, source, mb, p))
+        gather = None
+        if gathers:
+            comm = gathers[FORWARD if forward else INPUT_GRAD]
+            gather = b.collective(f"mb{mb} chunk{chunk} {comm.type} {comm.group} (ZeRO 3 parameters)", comm,
+                                  comm_ns(comm, p, cluster.profile), deps=b.last)
+        for unit in chunks[chunk] if forward else list(reversed(chunks[chunk])):
+            for phase in (FORWARD,) if forward else (INPUT_GRAD, WEIGHT_GRAD):
+                node = b.chain(f"mb{mb} {unit.name} {phase}", pb.COMP_NODE, duration_ns=unit.costs[phase][0],
+                               num_ops=unit.costs[phase][1], tensor_size=sum(op.bytes for op in unit.ops(phase)))
                 if not forward:
                     completes[id(unit)] = node
             for comm in unit.comms[FORWARD if forward else INPUT_GRAD]:
-                b.add(f"mb{mb} {unit.name} {comm.type} {comm.group}", pb.COMM_COLL_NODE, comm_type=comm.type,
-                      comm_size=comm.bytes, pg_name=comm.group, duration_ns=comm_ns(comm, p, cluster.profile))
+                b.collective(f"mb{mb} {unit.name} {comm.type} {comm.group}", comm, comm_ns(comm, p, cluster.profile))
         target = virtual + 1 if forward else virtual - 1
         if 0 <= target <= last_virtual and not (forward and virtual == last_virtual):
-            b.add(f"send {'activation' if forward else 'gradient'} mb{mb}", pb.COMM_SEND_NODE,
-                  comm_src=stage * stage_ranks + within, comm_dst=(target % p.pp) * stage_ranks + within,
-                  comm_size=boundary, comm_tag=_tag(forward, virtual, mb))
-    _data_parallel(b, pb, units, completes, cluster)
+            b.add(f"send {'activation' if forward else 'gradient'} mb{mb}", pb.COMM_SEND_NODE, b.last, chained=False,
+                  comm_src=rank, comm_dst=(target % p.pp) * stage_ranks + within, comm_size=boundary,
+                  comm_tag=_tag(forward, virtual, mb, p))
+        if gather is not None:
+            b.last = [*b.last, gather]
+    last_bucket = _data_parallel(b, units, completes, cluster)
+    summary = cluster.devices[stage]
+    if summary.optimizer_ns > 0:
+        b.chain("optimizer step (Adam)", pb.COMP_NODE, extra=last_bucket, duration_ns=summary.optimizer_ns)
+    elif last_bucket:
+        b.last = [*b.last, *last_bucket]
+    if p.zero in (1, 2):
+        for unit in units:
+            for comm in unit.comms[WEIGHT_GRAD] if unit.block == "dp" else ():
+                if comm.type == ALLGATHER:
+                    b.collective(f"{unit.name} {comm.type} {comm.group}", comm, comm_ns(comm, p, cluster.profile))
     return b.nodes
 
 
-def _data_parallel(b: _Builder, pb, units, completes, cluster) -> None:
+def _zero3_gathers(units, p) -> dict:
+    """ZeRO 3's per-pass parameter gathers: a chunk's share of the stage's forward and backward gathers."""
+    from dataclasses import replace
+
+    out = {}
+    for unit in units:
+        if unit.block == "dp" and unit.name.endswith(("_forward", "_backward")):
+            phase = FORWARD if unit.name.endswith("_forward") else INPUT_GRAD
+            for comm in unit.comms[WEIGHT_GRAD]:
+                held = out.get(phase)
+                nbytes = comm.bytes // p.vpp + (held.bytes if held else 0)
+                out[phase] = replace(comm, bytes=nbytes)
+    return out
+
+
+def _data_parallel(b: _Builder, units, completes, cluster) -> list[int]:
     """Buckets after the compute that completes them, one after another, off the compute chain."""
     from ..cluster.network import comm_ns
 
-    previous, ready = None, None
+    previous, ready = [], None
     for unit in reversed(units):
         if unit.block != "dp":
             ready = completes.get(id(unit), ready)
             continue
         for comm in unit.comms[WEIGHT_GRAD]:
-            node = b.add(f"{unit.name} {comm.type} {comm.group}", pb.COMM_COLL_NODE, chained=False,
-                         data_deps=[ready] if ready is not None else [], comm_type=comm.type, comm_size=comm.bytes,
-                         pg_name=comm.group, duration_ns=comm_ns(comm, cluster.parallel, cluster.profile))
-            if previous is not None:
-                b.nodes[node].ctrl_deps.append(previous)
-            previous = node
+            if comm.type == ALLGATHER:
+                continue  # ZeRO's parameter gathers: beside each pass (3) or after the optimizer (1, 2)
+            deps = previous + ([ready] if ready is not None else [])
+            previous = [b.collective(f"{unit.name} {comm.type} {comm.group}", comm,
+                                     comm_ns(comm, cluster.parallel, cluster.profile), deps=deps)]
+    return previous
 
 
-def _tag(forward: bool, virtual_stage: int, micro_batch: int) -> int:
-    """One tag per transfer: direction, the sending virtual stage, the micro-batch."""
-    return (micro_batch * 100_000 + virtual_stage) * 2 + (0 if forward else 1)
+def _tag(forward: bool, virtual_stage: int, micro_batch: int, p) -> int:
+    """One tag per transfer (direction, sending virtual stage, micro-batch), below 2^31: the feeder reads int32."""
+    return (micro_batch * p.pp * p.vpp + virtual_stage) * 2 + (0 if forward else 1)

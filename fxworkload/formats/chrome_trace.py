@@ -56,7 +56,8 @@ CLUSTER_PID = 1000  # the cluster's timeline: one process per pipeline stage, af
 
 
 def cluster_events(cluster) -> list[dict]:
-    """Every stage's passes under the pipeline schedule and its data-parallel buckets (cluster/step.py)."""
+    """Every stage's passes under the pipeline schedule, its data-parallel buckets, ZeRO's gathers and the
+    optimizer step (cluster/step.py): the last span ends at the cluster's step."""
     events = []
     for d in range(cluster.parallel.pp):
         pid = CLUSTER_PID + d
@@ -66,14 +67,29 @@ def cluster_events(cluster) -> list[dict]:
                    for tid, name in ((COMPUTE, "passes (compute and tp/ep collectives)"),
                                      (DATA_PARALLEL_COMM, "dp collectives"))]
     for x in cluster.passes:
-        events.append({"name": f"{'forward' if x.kind == 'F' else 'backward'} mb{x.micro_batch}"
-                               + (f" chunk{x.chunk}" if cluster.parallel.vpp > 1 else ""),
-                       "cat": "pass", "ph": "X", "pid": CLUSTER_PID + x.device, "tid": COMPUTE, "ts": _us(x.start_ns),
-                       "dur": round(_us(x.end_ns) - _us(x.start_ns), 3), "args": {"micro_batch": x.micro_batch}})
+        name = f"{'forward' if x.kind == 'F' else 'backward'} mb{x.micro_batch}" + (
+            f" chunk{x.chunk}" if cluster.parallel.vpp > 1 else "")
+        events.append(_cluster_span(name, "pass", x.device, COMPUTE, x.start_ns, x.end_ns, micro_batch=x.micro_batch))
+        gather = cluster.devices[x.device].zero3_gather_ns[0 if x.kind == "F" else 1]
+        if gather > 0:
+            events.append(_cluster_span("ZeRO 3 parameter gather", "comm", x.device, DATA_PARALLEL_COMM, x.start_ns,
+                                        x.start_ns + gather, micro_batch=x.micro_batch))
     for device, name, start, end, nbytes in cluster.data_parallel_spans:
-        events.append({"name": name, "cat": "comm", "ph": "X", "pid": CLUSTER_PID + device, "tid": DATA_PARALLEL_COMM,
-                       "ts": _us(start), "dur": round(_us(end) - _us(start), 3), "args": {"bytes": nbytes}})
+        events.append(_cluster_span(name, "comm", device, DATA_PARALLEL_COMM, start, end, bytes=nbytes))
+    for d in cluster.devices:  # the step's end: the optimizer after the last pass and bucket, then ZeRO 1/2's gathers
+        start = max(d.pipeline_end_ns, d.data_parallel_end_ns)
+        if d.optimizer_ns > 0:
+            events.append(_cluster_span("optimizer step (Adam)", "compute", d.device, COMPUTE, start,
+                                        start + d.optimizer_ns))
+        if d.zero_gather_ns > 0:
+            events.append(_cluster_span("ZeRO parameter gather", "comm", d.device, DATA_PARALLEL_COMM,
+                                        start + d.optimizer_ns, d.end_ns))
     return events
+
+
+def _cluster_span(name: str, category: str, device: int, tid: int, start_ns: float, end_ns: float, **args) -> dict:
+    return {"name": name, "cat": category, "ph": "X", "pid": CLUSTER_PID + device, "tid": tid, "ts": _us(start_ns),
+            "dur": round(_us(end_ns) - _us(start_ns), 3), "args": args}
 
 
 class _Timeline:

@@ -6,6 +6,18 @@ and last the update delay. The simulator parses times and sizes as integers. A p
 in the forward and input-grad columns runs over the tensor-parallel group, in the weight-grad
 column over the data-parallel group; ``_EP`` and ``_DP_EP`` name the expert groups. A unit with
 more collectives than one per column gets extra rows with no compute, in the order they run.
+
+What SimAI 1.6 does with the file (aliyun/SimAI f5efb5a9, astra-sim-alibabacloud/astra-sim/workload/):
+- it runs the rows as written, once: every row's forward, then every row's backward in reverse
+  (Workload.cc, iterate_hybrid_parallel_Transformer_fwd_in_bckwd). So the rows of a step are the
+  device's units once per micro-batch, in the order its schedule runs their forwards, as AICB
+  writes them (``for _ in range(self.ga_num): for layer in layers``), and the data-parallel rows
+  once, with the first micro-batch, whose backward SimAI runs last;
+- ``ga:`` and ``vpp:`` only enter its bubble, (pp - 1) / (ga x vpp) x the rows' compute and
+  blocking collectives (Layer.cc, ``pre_bubble_time *= (PP_size - 1) / (GA * vpp)``): with the
+  rows repeated ga times that is (pp - 1) / vpp micro-batch passes, Megatron's 1F1B bubble when
+  ``vpp`` holds the virtual stages per device. (AICB writes the layer count there, which divides
+  its bubble by the layers; we write --vpp.) The rows named ``embedding_layer`` are left out of it.
 """
 
 from __future__ import annotations
@@ -14,14 +26,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..capture.trace import PHASES
+from ..cluster.schedule import FORWARD as FORWARD_PASS, device_order
 from ..errors import UserError
 from ..parallel.rank import RankWorkload
-from ..parallel.units import Comm
+from ..parallel.units import EMBEDDING, Comm, Unit
 
 POLICY = "HYBRID_TRANSFORMER_FWD_IN_BCKWD"
 UPDATE_DELAY_NS = 100  # the seed files' per-row weight-update time; SimAI adds it after a row's weight grad
 COMM_TYPES = ("NONE", "ALLREDUCE", "ALLGATHER", "REDUCESCATTER", "ALLTOALL")
 GROUP_SUFFIX = {"tp": "", "dp": "", "ep": "_EP", "dp_ep": "_DP_EP"}
+EMBEDDING_ROW = "embedding_layer"  # the name SimAI's bubble formula leaves out (Layer.cc: id != "embedding_layer")
 FIELDS = 12
 
 
@@ -49,20 +63,46 @@ class SimaiWorkload:
 
 def from_rank(rank: RankWorkload) -> SimaiWorkload:
     p = rank.parallel
-    # SimAI's "vpp" field holds the stage's layers (AICB's generator writes its layer count there), not
-    # the virtual stages of --vpp, which the format has no field for.
-    header = {"model_parallel_NPU_group": p.tp, "ep": p.ep, "pp": p.pp, "vpp": max(1, len(rank.layers)),
-              "ga": p.micro_batches, "all_gpus": p.world, "checkpoints": 0, "checkpoint_initiates": 0,
-              "pp_comm": rank.pp_comm_bytes}
-    rows = []
+    header = {"model_parallel_NPU_group": p.tp, "ep": p.ep, "pp": p.pp, "vpp": p.vpp, "ga": p.micro_batches,
+              "all_gpus": p.world, "checkpoints": 0, "checkpoint_initiates": 0, "pp_comm": rank.pp_comm_bytes}
+    return SimaiWorkload(policy=POLICY, header=header, rows=[row for unit in step_units(rank) for row in _rows(unit)])
+
+
+def step_units(rank: RankWorkload) -> list[Unit]:
+    """The rank's units as SimAI runs them: each chunk's units once per micro-batch in the order the
+    pipeline schedule runs their forwards; each data-parallel row once, in the first micro-batch's
+    copy of the chunk whose unit it precedes."""
+    p = rank.parallel
+    chunk_of = {id(u): c for c, chunk in enumerate(rank.chunks) for u in chunk}
+    with_dp: list[list[Unit]] = [[] for _ in rank.chunks]
+    pending: list[Unit] = []  # data-parallel rows waiting for the unit they precede
     for unit in rank.units:
-        comms = [unit.comms[phase] for phase in PHASES]
-        for k in range(max(1, *(len(c) for c in comms))):
-            times = [round(unit.ns(phase)) if k == 0 else 0 for phase in PHASES]
-            cells = [_cell(c[k] if k < len(c) else None) for c in comms]
-            rows.append(SimaiRow(unit.name if k == 0 else f"{unit.name}_comm{k}",
-                                 *(x for t, (kind, size) in zip(times, cells) for x in (t, kind, size))))
-    return SimaiWorkload(policy=POLICY, header=header, rows=rows)
+        if unit.block == "dp":
+            pending.append(unit)
+            continue
+        with_dp[chunk_of[id(unit)]] += [*pending, unit]
+        pending = []
+    with_dp[-1] += pending
+    out, seen = [], set()
+    for kind, chunk, _ in device_order(p.pp, p.vpp, p.micro_batches, p.stage):
+        if kind != FORWARD_PASS:
+            continue
+        first = chunk not in seen
+        seen.add(chunk)
+        out += [u for u in with_dp[chunk] if first or u.block != "dp"]
+    return out
+
+
+def _rows(unit: Unit) -> list[SimaiRow]:
+    comms = [unit.comms[phase] for phase in PHASES]
+    name = EMBEDDING_ROW if unit.block == EMBEDDING else unit.name
+    rows = []
+    for k in range(max(1, *(len(c) for c in comms))):
+        times = [round(unit.ns(phase)) if k == 0 else 0 for phase in PHASES]
+        cells = [_cell(c[k] if k < len(c) else None) for c in comms]
+        rows.append(SimaiRow(name if k == 0 else f"{unit.name}_comm{k}",
+                             *(x for t, (kind, size) in zip(times, cells) for x in (t, kind, size))))
+    return rows
 
 
 def text(workload: SimaiWorkload) -> str:

@@ -145,7 +145,7 @@ def rank_summary_text(rank) -> str:
             for comm in unit.comms[phase]:
                 key = f"{comm.type} over {comm.group}"
                 comm_bytes[key] = comm_bytes.get(key, 0) + comm.bytes
-    lines = [["rank", f"stage {p.stage} of {p.pp}, layers {rank.layers.start}-{rank.layers.stop - 1}, "
+    lines = [["rank", f"stage {p.stage} of {p.pp}, layers {_ranges(rank.chunk_layers)}, "
                       f"tp {p.tp}, dp {p.dp}, ep {p.ep}, sp {'on' if p.sp else 'off'}, zero {p.zero}"],
              ["world size", f"{p.world}"],
              ["units (layer-level rows)", f"{len(units)}"],
@@ -268,3 +268,8 @@ def plan_text(result: dict, top: int = 10) -> str:
     table = tabulate(rows, headers=["#", "tp", "pp", "vpp", "dp", "ep", "sp", "zero", "recompute", "mbs", "mb",
                                     "step_ms", "mfu", "tflops", "tok/s/gpu", "bubble", "peak_gib"], tablefmt="simple")
     return "\n\n".join([head, table if rows else "no layout fits in memory", dropped]) + "\n"
+
+
+def _ranges(ranges: list[range]) -> str:
+    """Layer ranges as "0-5" or, for interleaved chunks, "0-2, 12-14"."""
+    return ", ".join(f"{r.start}-{r.stop - 1}" if len(r) > 1 else f"{r.start}" for r in ranges if len(r))

@@ -1,39 +1,89 @@
-"""One rank's layer-level workload: the units of its pipeline stage with every collective it runs."""
+"""One device's layer-level workload: the units of its model chunks with every collective it runs.
+
+A device holds one pipeline stage, or with ``--vpp`` v model chunks (virtual stages c·pp + d,
+Megatron-LM's interleaved schedule). Its units are split from the per-node table once per table
+(a layout search evaluates many layouts of one) and copied per layout, which attaches its
+collectives and tied gradients to the copies.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from .facts import ModelFacts
-from .collectives import add_model_parallel, data_parallel_units, stage_units
+from ..capture.trace import FORWARD, INPUT_GRAD, PHASES, WEIGHT_GRAD
 from ..dtypes import DTYPES
-from .layout import Parallel, stage_layers
-from .units import EMBEDDING, HEAD, Unit, split
 from ..workload.table import Workload
+from .collectives import add_model_parallel, data_parallel_units, stage_units
+from .facts import ModelFacts
+from .layout import Parallel, virtual_stage_layers
+from .units import EMBEDDING, HEAD, Unit, split
 
 
 @dataclass
 class RankWorkload:
     parallel: Parallel
-    units: list[Unit]  # forward order, data-parallel rows included
-    layers: range  # the stage's decoder layers
+    units: list[Unit]  # forward order, chunk after chunk, data-parallel rows included
+    chunks: list[list[Unit]]  # the device's model chunks (one unless --vpp), the same Unit objects
+    chunk_layers: list[range]  # each chunk's decoder layers
     pp_comm_bytes: int  # one stage-boundary send (0 with pp = 1)
+
+    @property
+    def layers(self) -> list[int]:
+        return [layer for chunk in self.chunk_layers for layer in chunk]
 
 
 def rank_workload(facts: ModelFacts, workload: Workload, parallel: Parallel, micro_batch: int, seq: int,
                   dtype: str, grad_dtype: str) -> RankWorkload:
     """``workload`` is the rank's per-node table (captured from the tensor/expert-sharded model)."""
-    units = split(workload, facts.stack, list(facts.row_parallel))
-    stages = stage_layers(parallel, facts.layers)
-    last = parallel.stage == parallel.pp - 1
-    mine = stage_units(units, stages[parallel.stage], parallel.stage == 0, last)
-    if last and parallel.pp > 1 and facts.tied_embedding is not None:
+    chunks, units = device_chunks(facts, workload, parallel, parallel.stage, micro_batch, seq, dtype, grad_dtype)
+    ranges = virtual_stage_layers(parallel, facts.layers)
+    boundary = micro_batch * seq * facts.hidden * DTYPES[dtype].itemsize // (parallel.tp if parallel.sp else 1)
+    return RankWorkload(parallel=parallel, units=units, chunks=chunks,
+                        chunk_layers=[ranges[c * parallel.pp + parallel.stage] for c in range(parallel.vpp)],
+                        pp_comm_bytes=boundary if parallel.pp > 1 else 0)
+
+
+def device_chunks(facts: ModelFacts, workload: Workload, p: Parallel, device: int, micro_batch: int, seq: int,
+                  dtype: str, grad_dtype: str) -> tuple[list[list[Unit]], list[Unit]]:
+    """Device ``device``'s model chunks (units, collectives attached) and its units in forward order
+    with the data-parallel rows inserted where DDP issues them."""
+    units = split_once(facts, workload)
+    chunks = [[_fresh(u) for u in chunk] for chunk in model_chunks(facts, units, p, device)]
+    mine = [u for chunk in chunks for u in chunk]
+    if device == p.pp - 1 and p.pp > 1 and facts.tied_embedding is not None:
         keep_tied_copy(facts.tied_embedding, units, mine)
-    act_itemsize, grad_itemsize = DTYPES[dtype].itemsize, DTYPES[grad_dtype].itemsize
-    add_model_parallel(mine, parallel, micro_batch, seq, facts.hidden, act_itemsize, facts.top_k)
-    boundary = micro_batch * seq * facts.hidden * act_itemsize // (parallel.tp if parallel.sp else 1)
-    return RankWorkload(parallel=parallel, units=data_parallel_units(mine, parallel, grad_itemsize, act_itemsize),
-                        layers=stages[parallel.stage], pp_comm_bytes=boundary if parallel.pp > 1 else 0)
+    act_itemsize = DTYPES[dtype].itemsize
+    add_model_parallel(mine, p, micro_batch, seq, facts.hidden, act_itemsize, facts.top_k)
+    return chunks, data_parallel_units(mine, p, DTYPES[grad_dtype].itemsize, act_itemsize)
+
+
+def model_chunks(facts: ModelFacts, units: list[Unit], p: Parallel, device: int) -> list[list[Unit]]:
+    """The units of each of the device's chunks: its layers, the embedding on virtual stage 0, the head on the last."""
+    ranges = virtual_stage_layers(p, facts.layers)
+    last = len(ranges) - 1
+    return [stage_units(units, ranges[c * p.pp + device], c * p.pp + device == 0, c * p.pp + device == last)
+            for c in range(p.vpp)]
+
+
+_SPLIT: dict[int, tuple[Workload, list[Unit]]] = {}
+
+
+def split_once(facts: ModelFacts, workload: Workload) -> list[Unit]:
+    """The workload's units with their summed costs, split once per table."""
+    held = _SPLIT.get(id(workload))
+    if held is None or held[0] is not workload:
+        if len(_SPLIT) >= 8:
+            _SPLIT.clear()
+        units = split(workload, facts.stack, list(facts.row_parallel))
+        for u in units:
+            u.costs = {ph: (u.ns(ph), u.flops(ph)) for ph in (FORWARD, INPUT_GRAD, WEIGHT_GRAD)}
+        held = _SPLIT[id(workload)] = (workload, units)
+    return held[1]
+
+
+def _fresh(unit: Unit) -> Unit:
+    """A copy a layout may attach its collectives and tied gradients to."""
+    return replace(unit, grads=list(unit.grads), comms={ph: [] for ph in PHASES})
 
 
 def keep_tied_copy(embedding_path: str, units: list[Unit], mine: list[Unit]) -> None:

@@ -1,8 +1,10 @@
-"""Chakra execution traces, read back with Chakra's own decoder (protolib) and checked against the
-cluster step they were written from."""
+"""Chakra execution traces, read back with Chakra's own decoder (protolib), checked against the rules
+of the program that runs them, ASTRA-sim 2.0 (astra-sim c459ab61 with Chakra 214f2c55), and against
+the cluster step they were written from."""
 
 from __future__ import annotations
 
+import json
 import pytest
 # the 'chakra' extra (make test installs it): Chakra's own schema and decoder read the files back
 from chakra.schema.protobuf.et_def_pb2 import (
@@ -16,6 +18,8 @@ from fxworkload.pipeline import extract
 from ..test_cli import fxworkload
 
 LAYOUT = dict(tp=2, pp=2, dp=2, micro_batches=4)
+MOE_LAYOUT = dict(tp=2, dp=4, ep=2, sp=True, micro_batches=2, zero=1)
+ZERO3_LAYOUT = dict(pp=2, dp=2, vpp=2, micro_batches=2, zero=3)
 
 
 def read(path) -> list:
@@ -38,15 +42,40 @@ def attr(node, name):
     return None
 
 
+def kind_of(node, name):
+    return next((a.WhichOneof("value") for a in node.attr if a.name == name), None)
+
+
+def _write(dirs, tmp_path_factory, model, layout):
+    out = tmp_path_factory.mktemp("chakra") / "out"
+    run = fxworkload("extract", dirs[model], "--batch", 1, "--seq", 16, "--device", "h100-sxm",
+                     "--format", "chakra", "--out", out,
+                     *[x for k, v in layout.items() for x in
+                       ((f"--{k.replace('_', '-')}",) if v is True else (f"--{k.replace('_', '-')}", v))])
+    assert run.returncode == 0, run.stderr
+    cluster = extract(str(dirs[model]), batch=1, seq=16, device="h100-sxm", parallel=Parallel(**layout)).cluster
+    return out, cluster
+
+
 @pytest.fixture(scope="module")
 def written(tiny_dirs, tmp_path_factory):
-    out = tmp_path_factory.mktemp("chakra") / "out"
-    run = fxworkload("extract", tiny_dirs["llama"], "--batch", 1, "--seq", 16, "--device", "h100-sxm",
-                     "--format", "chakra", "--out", out, *[x for k, v in LAYOUT.items()
-                                                            for x in (f"--{k.replace('_', '-')}", v)])
-    assert run.returncode == 0, run.stderr
-    cluster = extract(str(tiny_dirs["llama"]), batch=1, seq=16, device="h100-sxm", parallel=Parallel(**LAYOUT)).cluster
-    return out, cluster
+    return _write(tiny_dirs, tmp_path_factory, "llama", LAYOUT)
+
+
+@pytest.fixture(scope="module")
+def written_moe(tiny_dirs, tmp_path_factory):
+    return _write(tiny_dirs, tmp_path_factory, "mixtral", MOE_LAYOUT)
+
+
+@pytest.fixture(scope="module")
+def written_zero3(tiny_dirs, tmp_path_factory):
+    return _write(tiny_dirs, tmp_path_factory, "llama4", ZERO3_LAYOUT)
+
+
+@pytest.fixture(scope="module", params=["written", "written_moe", "written_zero3"])
+def any_written(request):
+    out, cluster = request.getfixturevalue(request.param)
+    return out, cluster, {rank: read(out / f"workload.{rank}.et") for rank in range(cluster.parallel.world)}
 
 
 def test_one_trace_per_rank_with_every_pass(written):
@@ -57,30 +86,132 @@ def test_one_trace_per_rank_with_every_pass(written):
         stage = rank // 4
         nodes = read(out / f"workload.{rank}.et")
         units = [u for chunk in cluster.device_chunks[stage] for u in chunk]
-        assert sum(n.type == COMP_NODE for n in nodes) == m * 3 * len(units)  # forward, input-grad, weight-grad
-        tp = [n for n in nodes if n.type == COMM_COLL_NODE and attr(n, "pg_name") == "tp"]
+        passes = [n for n in nodes if n.type == COMP_NODE and n.name.startswith("mb")]
+        assert len(passes) == m * 3 * len(units)  # forward, input-grad, weight-grad
+        assert [n.name for n in nodes if n.type == COMP_NODE and n not in passes] == ["optimizer step (Adam)"]
+        tp = [n for n in nodes if n.type == COMM_COLL_NODE and "tp" in n.name.split()]
         expected = [c.bytes for u in units for c in u.comms[FORWARD] + u.comms[INPUT_GRAD]]
-        assert sorted(attr(n, "comm_size") for n in tp) == sorted(expected * m)
-        flops = sum(attr(n, "num_ops") for n in nodes if n.type == COMP_NODE)
+        assert sorted(attr(n, "comm_size") for n in tp) == sorted(expected * m)  # all-reduces: the whole buffer
+        flops = sum(attr(n, "num_ops") for n in passes)
         assert flops == m * sum(u.costs[ph][1] for u in units for ph in (FORWARD, INPUT_GRAD, WEIGHT_GRAD))
-        compute_us = sum(n.duration_micros for n in nodes if n.type == COMP_NODE)
+        compute_us = sum(n.duration_micros for n in passes)
         assert compute_us == pytest.approx(m * sum(u.costs[ph][0] for u in units for ph in
                                                    (FORWARD, INPUT_GRAD, WEIGHT_GRAD)) / 1e3, abs=len(nodes))
 
 
-def test_dependencies_form_the_schedule(written):
+def test_pg_name_is_a_group_id_the_group_file_names(any_written):
+    """Workload.cc (extract_comm_group): std::stoi(node->pg_name()), then comm_groups.find(id) or exit;
+    initialize_comm_groups: the file's keys are std::stoi'd, its values the member ranks."""
+    out, cluster, traces = any_written
+    groups = json.loads((out / "workload.comm_groups.json").read_text())
+    assert all(str(int(key)) == key for key in groups)
+    for rank, nodes in traces.items():
+        for node in nodes:
+            if node.type == COMM_COLL_NODE:
+                assert kind_of(node, "pg_name") == "string_val"
+                members = groups[str(int(attr(node, "pg_name")))]
+                assert rank in members and len(members) > 1
+
+
+def _members(groups: dict) -> set:
+    return {tuple(v) for v in groups.values()}
+
+
+def test_group_file_members_follow_megatrons_rank_order(written, written_moe):
+    """Tensor-parallel innermost, then data-parallel, pipeline outermost (Megatron-LM's
+    RankGenerator order tp-dp-pp); expert-parallel groups are consecutive data-parallel ranks and the
+    expert-data-parallel groups stride over them (Megatron-Core's expert rank generator, tp-ep-dp)."""
+    out, _ = written  # tp 2, dp 2, pp 2
+    assert _members(json.loads((out / "workload.comm_groups.json").read_text())) == {
+        (0, 1), (2, 3), (4, 5), (6, 7),  # tp
+        (0, 2), (1, 3), (4, 6), (5, 7)}  # dp
+    out, _ = written_moe  # tp 2, dp 4, ep 2
+    assert _members(json.loads((out / "workload.comm_groups.json").read_text())) == {
+        (0, 1), (2, 3), (4, 5), (6, 7),  # tp
+        (0, 2, 4, 6), (1, 3, 5, 7),  # dp
+        (0, 2), (1, 3), (4, 6), (5, 7),  # ep: data-parallel ranks 0-1 and 2-3
+        (0, 4), (2, 6), (1, 5), (3, 7)}  # expert-data-parallel: data-parallel ranks 0, 2 and 1, 3
+
+
+def test_each_collective_names_its_own_kind_of_group(written_moe):
+    out, cluster = written_moe
+    groups = {int(k): tuple(v) for k, v in json.loads((out / "workload.comm_groups.json").read_text()).items()}
+    nodes = read(out / "workload.0.et")
+    used = {groups[int(attr(n, "pg_name"))] for n in nodes if n.type == COMM_COLL_NODE and " tp" in n.name}
+    assert used == {(0, 1)}
+    used = {groups[int(attr(n, "pg_name"))] for n in nodes if n.type == COMM_COLL_NODE and n.name.endswith(" ep")}
+    assert used == {(0, 2)}
+    used = {groups[int(attr(n, "pg_name"))] for n in nodes if n.type == COMM_COLL_NODE and n.name.endswith(" dp_ep")}
+    assert used == {(0, 4)}
+
+
+def test_point_to_point_fields_are_int32_as_the_feeder_reads_them(written):
+    """et_feeder_node.cpp: comm_src, comm_dst and comm_tag are read with attr.int32_val(); comm_size
+    and comm_type with int64_val(), tensor_size with uint64_val(), num_ops with int64_val()."""
     out, _ = written
     for rank in range(8):
-        nodes = read(out / f"workload.{rank}.et")
-        ids = [n.id for n in nodes]
-        assert ids == list(range(len(nodes)))
-        for n in nodes:  # a DAG in file order
-            assert all(d < n.id for d in list(n.ctrl_deps) + list(n.data_deps))
-        dp = [n for n in nodes if attr(n, "pg_name") == "dp"]
-        assert dp and all(nodes[n.data_deps[0]].type == COMP_NODE for n in dp)
+        for n in read(out / f"workload.{rank}.et"):
+            for name in ("comm_src", "comm_dst", "comm_tag"):
+                assert kind_of(n, name) in (None, "int32_val")
+            for name in ("comm_size", "comm_type", "num_ops"):
+                assert kind_of(n, name) in (None, "int64_val")
+            assert kind_of(n, "tensor_size") in (None, "uint64_val")
+            if n.type in (COMM_SEND_NODE, COMM_RECV_NODE):
+                assert attr(n, "comm_src") != attr(n, "comm_dst")  # ASTRA-sim asserts src != dest
+
+
+def test_every_dependency_is_a_data_dependency_that_resolves(any_written):
+    """ETFeeder::freeChildrenNodes releases a node when its data_deps are done; ctrl_deps are never read."""
+    _, _, traces = any_written
+    for nodes in traces.values():
+        assert [n.id for n in nodes] == list(range(len(nodes)))
+        for n in nodes:
+            assert not n.ctrl_deps
+            assert all(d < n.id for d in n.data_deps)  # a DAG in file order: every parent read before its child
+        # only the first node of the step may start at once: everything else waits for something
+        assert [n.id for n in nodes if not n.data_deps][:1] == [0]
+
+
+def _ancestors(nodes: list) -> list[set]:
+    out: list[set] = []
+    for n in nodes:
+        seen = set(n.data_deps)
+        for d in n.data_deps:
+            seen |= out[d]
+        out.append(seen)
+    return out
+
+
+def test_dependencies_order_each_ranks_compute_as_the_schedule_does(any_written):
+    """Each compute node waits (through data dependencies alone) for the one the pipeline schedule runs
+    before it on that device, and a pass that needs another stage's output waits for its receive."""
+    _, cluster, traces = any_written
+    p = cluster.parallel
+    for rank, nodes in traces.items():
+        stage = rank // (p.tp * p.dp)
+        expected = []
+        for kind, chunk, mb, _, _ in cluster.device_passes[stage]:
+            units = cluster.device_chunks[stage][chunk]
+            for unit in units if kind == "F" else reversed(units):
+                expected += [f"mb{mb} {unit.name} {ph}" for ph in ((FORWARD,) if kind == "F" else
+                                                                   (INPUT_GRAD, WEIGHT_GRAD))]
+        compute = [n for n in nodes if n.type == COMP_NODE and n.name.startswith("mb")]
+        assert [n.name for n in compute] == expected
+        ancestors = _ancestors(nodes)
+        for before, after in zip(compute, compute[1:]):
+            assert before.id in ancestors[after.id]
+        optimizer = next(n for n in nodes if n.name == "optimizer step (Adam)")
+        assert compute[-1].id in ancestors[optimizer.id]
+        assert all(n.id in ancestors[optimizer.id] for n in nodes if "bucket" in n.name)
+        for recv in (n for n in nodes if n.type == COMM_RECV_NODE):
+            mb = recv.name.split("mb")[1]
+            waiting = next(n for n in compute if n.id > recv.id)
+            assert recv.id in ancestors[waiting.id] and waiting.name.startswith(f"mb{mb} ")
 
 
 def test_sends_and_receives_pair_up_between_stages(written):
+    """The analytical network matches a send and a receive by (tag, source, destination, size)
+    (CommonNetworkApi::sim_recv, callback_tracker.search_entry)."""
     out, _ = written
     sends, receives = set(), set()
     for rank in range(8):
@@ -93,6 +224,39 @@ def test_sends_and_receives_pair_up_between_stages(written):
                 assert attr(n, "comm_dst") == rank
                 receives.add(key)
     assert sends == receives and len(sends) == 4 * 2 * LAYOUT["micro_batches"]  # 4 rank pairs, both directions
+
+
+def test_all_gather_sizes_are_each_ranks_input_as_astra_sims_ring_reads_them(written_moe, written_zero3):
+    """Ring.cc: an All_Gather's final_data_size = data_size * nodes_in_ring, so comm_size is one rank's
+    input; an all-reduce's and a reduce-scatter's comm_size is the whole buffer."""
+    out, cluster = written_moe
+    nodes = read(out / "workload.0.et")
+    gathers = [n for n in nodes if n.type == COMM_COLL_NODE and " ALLGATHER tp" in n.name]
+    act = 1 * 16 * 64 * 4  # micro-batch x seq x hidden x fp32 bytes: the whole sequence-parallel buffer
+    assert gathers and {attr(n, "comm_size") for n in gathers} == {act // 2}
+    scatters = [n for n in nodes if n.type == COMM_COLL_NODE and " REDUCESCATTER tp" in n.name]
+    assert scatters and {attr(n, "comm_size") for n in scatters} == {act}
+    zero1 = [n for n in nodes if "param_allgather" in n.name]
+    params = {c.bytes for u in cluster.device_units[0] if u.block == "dp" for c in u.comms[WEIGHT_GRAD]
+              if c.type == "ALLGATHER" and c.group == "dp"}
+    assert [attr(n, "comm_size") for n in zero1 if n.name.split()[-1] == "dp"] == [params.pop() // 4]
+    out, cluster = written_zero3
+    per_pass = [n for n in read(out / "workload.0.et") if "ZeRO 3" in n.name]
+    assert len(per_pass) == 2 * 2 * 2  # forward and backward passes of 2 chunks x 2 micro-batches
+
+
+def test_zero3_passes_wait_for_their_parameters(written_zero3):
+    """Each pass gathers its chunk's parameters beside its compute (one gather per pass, written before
+    the pass's compute) and ends when both are done: the next pass's compute waits for the gather."""
+    out, _ = written_zero3
+    for rank in range(4):
+        nodes = read(out / f"workload.{rank}.et")
+        ancestors = _ancestors(nodes)
+        gathers = [n.id for n in nodes if "ZeRO 3" in n.name]
+        for gather, following in zip(gathers, gathers[1:]):
+            next_pass = next(n for n in nodes if n.id > following and n.type == COMP_NODE)
+            assert gather in ancestors[next_pass.id]
+            assert gather not in ancestors[next(n for n in nodes if n.id > gather and n.type == COMP_NODE).id]
 
 
 def test_too_many_ranks_is_one_line(tiny_dirs, tmp_path):

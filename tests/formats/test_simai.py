@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from fxworkload import read_simai
 from fxworkload.capture.trace import FORWARD, INPUT_GRAD, PHASES, WEIGHT_GRAD
@@ -46,10 +47,11 @@ def test_simai_file_round_trips_and_matches_the_rank(tiny_dirs, tmp_path, capsys
         tp=2, pp=2, dp=4, ep=2, sp=True, micro_batches=3, zero=1, stage=1))
     assert document == from_rank(result.rank)
     units = [u for u in result.rank.units if u.block != "dp"]
-    assert [r.name for r in document.rows if r.forward_ns] == [u.name for u in units if round(u.ns(FORWARD))]
-    assert sum(r.forward_ns for r in document.rows) == sum(round(u.ns(FORWARD)) for u in units)
+    # SimAI runs the rows once (Workload.cc): the rank's units are written once per micro-batch
+    assert [r.name for r in document.rows if r.forward_ns] == 3 * [u.name for u in units if round(u.ns(FORWARD))]
+    assert sum(r.forward_ns for r in document.rows) == 3 * sum(round(u.ns(FORWARD)) for u in units)
     sizes = sorted(r.forward_comm_bytes for r in document.rows if r.forward_comm == "ALLTOALL_EP")
-    assert sizes == [2 * 16 // 2 * 2 * 64 * 4] * 2  # one MoE layer on stage 1: dispatch and combine
+    assert sizes == [2 * 16 // 2 * 2 * 64 * 4] * 2 * 3  # one MoE layer on stage 1: dispatch and combine, 3 times
     assert {r.weight_grad_comm for r in document.rows} >= {"REDUCESCATTER", "ALLGATHER", "REDUCESCATTER_DP_EP"}
 
 
@@ -81,6 +83,47 @@ def test_read_simai_takes_any_whitespace_as_the_simulator_does(tmp_path):
     path.write_text("HYBRID_TRANSFORMER_FWD_IN_BCKWD ep: 1\n1\nembedding  -1 7   NONE 0 8 NONE 0 9 ALLREDUCE 10 100\n")
     (row,) = read_simai(path).rows
     assert (row.forward_ns, row.input_grad_ns, row.weight_grad_ns, row.weight_grad_comm_bytes) == (7, 8, 9, 10)
+
+
+def test_simai_runs_every_micro_batch_of_the_step_and_each_gradient_bucket_once(tiny_dirs):
+    """SimAI 1.6 runs the rows as written, once (Workload.cc, iterate_hybrid_parallel_Transformer_fwd_in_bckwd),
+    so its total compute is the sum of the rows: it must be the step's, three micro-batches of it."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    result = extract(str(tiny_dirs["gpt2"]), batch=2, seq=16, parallel=Parallel(dp=2, micro_batches=3))
+    rows = from_rank(result.rank).rows
+    simai_compute = sum(r.forward_ns + r.input_grad_ns + r.weight_grad_ns for r in rows)
+    table = sum(result.totals[f"{phase}_estimated_ns"] for phase in PHASES)  # the per-node table, one micro-batch
+    assert simai_compute == pytest.approx(3 * table, abs=len(rows))  # integer ns per row
+    assert [r.name for r in rows].count("embedding_layer") == 3
+    reduced = [r for r in rows if r.weight_grad_comm != "NONE"]
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tiny_dirs["gpt2"]))
+    parameters = sum(p.numel() for p in model.parameters())  # torch's count: the tied head once
+    assert {r.weight_grad_comm for r in reduced} == {"ALLREDUCE"}
+    assert sum(r.weight_grad_comm_bytes for r in reduced) == parameters * 4  # fp32 gradients, each bucket once
+
+
+def test_simai_bubble_is_megatrons_with_the_rows_repeated(tiny_dirs):
+    """Layer.cc: pre_bubble_time sums every row not named embedding_layer (compute and blocking
+    collectives) and scales it by (PP_size - 1) / (GA * vpp). With the rows written once per
+    micro-batch that is (pp - 1) / vpp micro-batch passes of the device, Megatron's interleaved
+    bubble; the chunks' rows follow the schedule's forward order (schedules.py: a device runs
+    micro-batches through its chunks in groups of pp, chunk (k mod pp·vpp) // pp)."""
+    from fxworkload.workload.layers import layer_of
+
+    p = Parallel(pp=2, vpp=2, micro_batches=4)
+    result = extract(str(tiny_dirs["llama4"]), batch=1, seq=16, parallel=p)
+    document = from_rank(result.rank)
+    assert (document.header["vpp"], document.header["ga"], document.header["pp"]) == (2, 4, 2)
+    layers = [int(r.name.split("_")[0].removeprefix("layer")) for r in document.rows if r.name.endswith("_attention")]
+    assert layers == [0, 0, 2, 2, 0, 0, 2, 2]  # device 0 holds virtual stages 0 and 2: layers 0 and 2
+    rows = [r for r in document.rows if r.name != "embedding_layer"]
+    bubble = sum(r.forward_ns + r.input_grad_ns + r.weight_grad_ns for r in rows) * (2 - 1) / (4 * 2)
+    stack = result.facts.stack
+    per_micro_batch = sum(op.estimated_ns for row in result.workload.node_rows if layer_of(row.module, stack) in (0, 2)
+                          for phase in PHASES for op in row.ops(phase))
+    assert bubble == pytest.approx((2 - 1) / 2 * per_micro_batch, abs=len(rows))
 
 
 def test_text_is_what_the_reader_reads(tiny_dirs, tmp_path):
@@ -117,6 +160,30 @@ def test_chrome_trace_lays_out_every_unit_and_collective(tiny_dirs, tmp_path):
     assert trace["otherData"]["step_ns"] == pytest.approx(max(ends) * 1e3, abs=1)
     timeline = sorted((e["ts"], e["ts"] + e["dur"]) for e in spans if e["tid"] in (0, 1))
     assert all(a_end <= b_start + 1e-3 for (_, a_end), (b_start, _) in itertools.pairwise(timeline))
+
+
+@pytest.mark.parametrize("layout", [dict(dp=2, micro_batches=2), dict(tp=2, dp=2, zero=1, micro_batches=2),
+                                    dict(pp=2, dp=2, zero=3, vpp=2, micro_batches=2),
+                                    dict(pp=2, dp=2, zero=2, recompute="full", micro_batches=4)])
+def test_the_cluster_timeline_adds_up_to_the_cluster_step(tiny_dirs, layout):
+    """Every part of cluster_step_ns has a span: passes, gradient buckets, ZeRO's gathers (beside each
+    pass for ZeRO 3, after the optimizer for 1 and 2) and the optimizer step."""
+    result = extract(str(tiny_dirs["llama4"]), batch=1, seq=16, device="h100-sxm", parallel=Parallel(**layout))
+    trace = json.loads(result.files(["chrome-trace"])["workload.trace.json"])
+    cluster = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["pid"] >= CLUSTER_PID]
+    step_us = result.cluster.step_ns / 1e3
+    assert max(e["ts"] + e["dur"] for e in cluster) == pytest.approx(step_us, abs=1e-3)
+    slowest = max(result.cluster.devices, key=lambda d: d.end_ns)
+    mine = [e for e in cluster if e["pid"] == CLUSTER_PID + slowest.device]
+    names = {e["name"] for e in mine}
+    assert "optimizer step (Adam)" in names
+    assert ("ZeRO parameter gather" in names) == (layout.get("zero") in (1, 2))
+    assert ("ZeRO 3 parameter gather" in names) == (layout.get("zero") == 3)
+    optimizer = next(e for e in mine if e["name"] == "optimizer step (Adam)")
+    assert optimizer["dur"] == pytest.approx(slowest.optimizer_ns / 1e3, abs=1e-3)
+    # nothing of the step is left without a span: the compute stream is busy or waiting on a span's end
+    compute = sorted((e["ts"], e["ts"] + e["dur"]) for e in mine if e["tid"] == 0)
+    assert all(a_end <= b_start + 1e-3 for (_, a_end), (b_start, _) in itertools.pairwise(compute))
 
 
 @pytest.mark.parametrize("args,message", [
@@ -168,7 +235,8 @@ def test_a_model_without_a_tp_plan_has_one_unit_per_layer_and_refuses_tp(tmp_pat
                               attention_types=[[["global", "local"], 1]]).save_pretrained(folder)
     code, out = _run(tmp_path, str(folder), "--seq", "16", "--format", "simai")
     assert code == 0
-    assert [r.name for r in read_simai(out / "workload.simai.txt").rows] == ["embedding", "layer0", "layer1", "head"]
+    assert [r.name for r in read_simai(out / "workload.simai.txt").rows] == ["embedding_layer", "layer0", "layer1",
+                                                                             "head"]
     code, _ = _run(tmp_path, str(folder), "--seq", "16", "--tp", "2", "--format", "simai")
     err = capsys.readouterr().err
     assert code == 2 and "gpt_neo has no tensor-parallel plan" in err.splitlines()[-1] and "Traceback" not in err

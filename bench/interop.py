@@ -1,0 +1,193 @@
+"""Our workload files run through the simulators they are written for: SimAI 1.6 and ASTRA-sim 2.0.
+
+For each layout this writes every pipeline stage's SimAI file and the Chakra traces of every rank
+(with their communicator-group file), runs SimAI's analytical simulator on each stage's file and
+ASTRA-sim's analytical backend on the traces (through the ``run.sh`` scripts of
+``../shared/simulators``), and prints:
+
+- SimAI's total compute against our per-step compute of that rank (the worst stage): the files
+  must carry the step's compute, every micro-batch of it;
+- SimAI's total time (the slowest stage) against our cluster step: SimAI adds its own bubble
+  formula and collective times and overlaps nothing of the data-parallel reduction;
+- ASTRA-sim's slowest rank against our cluster step: ASTRA-sim runs the dependency graph with its
+  own collective times.
+
+ASTRA-sim is given one switch joining the layout's GPUs (every layout here fits one 8-GPU node),
+with the device profile's NVLink figures in ASTRA-sim's terms: link latency 936.25 ns (ASTRA-sim's
+own HGX-H100-validated network) and half the profile's per-direction bus bandwidth, since
+ASTRA-sim's ring moves data both ways round the ring at once; the bench prints one 100 MB
+all-reduce over 8 ranks under both models to show they agree. The last line is a JSON summary.
+
+    .venv/bin/python bench/interop.py ../shared/simulators/simai/run.sh ../shared/simulators/astra-sim/run.sh
+    .venv/bin/python bench/interop.py SIMAI_RUN ASTRA_RUN --only gpt2-mb8,llama-8b-full
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from tabulate import tabulate
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from fxworkload.capture.trace import PHASES  # noqa: E402
+from fxworkload.cluster.network import collective_ns  # noqa: E402
+from fxworkload.cost.devices import load  # noqa: E402
+from fxworkload.formats import simai  # noqa: E402
+from fxworkload.formats.chakra import GROUPS_FILE, chakra_files  # noqa: E402
+from fxworkload.parallel.layout import Parallel  # noqa: E402
+from fxworkload.pipeline import extract  # noqa: E402
+
+DEVICE = "h100-sxm"
+ASTRA_LATENCY_NS = 936.25  # astra-sim examples/network/analytical/HGX-H100-validated.yml
+# name: (model, seq, micro-batch size, dtype, layout)
+LAYOUTS = {
+    "gpt2-mb1": ("gpt2", 1024, 8, "bf16", Parallel(tp=2, dp=4, vocab_multiple=128)),
+    "gpt2-mb8": ("gpt2", 1024, 4, "bf16", Parallel(tp=2, pp=2, dp=2, micro_batches=8, vocab_multiple=128)),
+    "gpt2-vpp2": ("gpt2", 1024, 4, "bf16", Parallel(tp=2, pp=2, dp=2, vpp=2, micro_batches=8, vocab_multiple=128)),
+    "gpt2-zero3": ("gpt2", 1024, 4, "bf16", Parallel(dp=8, micro_batches=2, zero=3)),
+    "llama-8b-full": ("llama-3-8b", 4096, 1, "bf16", Parallel(tp=2, pp=2, dp=2, sp=True, micro_batches=8, zero=1,
+                                                            recompute="full")),
+    "llama-8b-tp8": ("llama-3-8b", 8192, 1, "bf16", Parallel(tp=8, sp=True, micro_batches=4)),
+    "mixtral-ep2": ("mixtral-8x7b", 4096, 1, "bf16", Parallel(tp=2, pp=2, dp=2, ep=2, sp=True, micro_batches=4,
+                                                             zero=1)),
+}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("simai_run", help="SimAI's run.sh (../shared/simulators/simai/run.sh)")
+    parser.add_argument("astra_run", help="ASTRA-sim's run.sh (../shared/simulators/astra-sim/run.sh)")
+    parser.add_argument("--only", help="comma-separated layout names (default: all)")
+    args = parser.parse_args()
+    names = args.only.split(",") if args.only else list(LAYOUTS)
+    rows, summary = [], {}
+    with tempfile.TemporaryDirectory() as tmp:
+        print(f"ASTRA-sim network check: {ring_check(Path(tmp), args.astra_run)}", flush=True)
+        for name in names:
+            started = time.perf_counter()
+            result = run_layout(name, Path(tmp) / name, args.simai_run, args.astra_run)
+            rows.append([name, result["layout"], f"{result['ours_compute_ms']:.2f}", f"{result['simai_compute_ms']:.2f}",
+                         _pct(result["simai_compute_err"]), f"{result['ours_step_ms']:.2f}",
+                         f"{result['simai_total_ms']:.2f}", _pct(result["simai_total_err"]),
+                         f"{result['astra_ms']:.2f}", _pct(result["astra_err"]), "yes" if result["trace_ends"] else "NO"])
+            summary[name] = {k: v for k, v in result.items() if k != "layout"}
+            print(f"{name}: {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
+    print(tabulate(rows, headers=["layout", "parallel", "our compute ms (rank)", "SimAI comp ms", "diff",
+                                  "our cluster step ms", "SimAI total ms", "diff", "ASTRA-sim ms", "diff",
+                                  "trace ends at step"], tablefmt="github"))
+    worst = {key: max(abs(s[key]) for s in summary.values()) for key in ("simai_compute_err", "simai_total_err",
+                                                                         "astra_err")}
+    print(json.dumps({"layouts": len(summary), "worst_pct": {k: round(100 * v, 2) for k, v in worst.items()},
+                      "traces_end_at_step": all(s["trace_ends"] for s in summary.values()),
+                      "per_layout": {n: {k: round(v, 4) if isinstance(v, float) else v for k, v in s.items()}
+                                     for n, s in summary.items()}}, sort_keys=True))
+    return 0
+
+
+def run_layout(name: str, folder: Path, simai_run: str, astra_run: str) -> dict:
+    model, seq, batch, dtype, parallel = LAYOUTS[name]
+    first = extract(model, batch=batch, seq=seq, dtype=dtype, device=DEVICE, parallel=parallel)
+    cluster = first.cluster
+    simai_totals, compute_errors = [], []
+    for stage in range(parallel.pp):
+        result = first if stage == 0 else extract(model, batch=batch, seq=seq, dtype=dtype, device=DEVICE,
+                                                  parallel=replace(parallel, stage=stage))
+        path = folder / f"stage{stage}.simai.txt"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(simai.text(simai.from_rank(result.rank)))
+        comp_us, total_us = run_simai(simai_run, path, parallel.world)
+        ours_us = parallel.micro_batches * sum(u.ns(ph) for u in result.rank.units for ph in PHASES) / 1e3
+        compute_errors.append((comp_us / ours_us - 1, ours_us, comp_us))
+        simai_totals.append(total_us)
+    for file_name, content in chakra_files(cluster).items():
+        target = folder / file_name
+        target.write_bytes(content) if isinstance(content, bytes) else target.write_text(content)
+    astra_ns = run_astra(astra_run, folder / "workload", parallel.world, folder / GROUPS_FILE, first.device)
+    worst = max(compute_errors, key=lambda e: abs(e[0]))
+    trace = json.loads(first.files(["chrome-trace"])["workload.trace.json"])
+    cluster_end_us = max(e["ts"] + e["dur"] for e in trace["traceEvents"] if e["ph"] == "X" and e["pid"] >= 1000)
+    step_ms = cluster.step_ns / 1e6
+    return {"layout": _describe(parallel, batch, seq), "ours_compute_ms": worst[1] / 1e3,
+            "simai_compute_ms": worst[2] / 1e3, "simai_compute_err": worst[0], "ours_step_ms": step_ms,
+            "simai_total_ms": max(simai_totals) / 1e3, "simai_total_err": max(simai_totals) / 1e3 / step_ms - 1,
+            "astra_ms": astra_ns / 1e6, "astra_err": astra_ns / 1e6 / step_ms - 1,
+            "trace_ends": abs(cluster_end_us * 1e3 - cluster.step_ns) <= 1.0}
+
+
+def run_simai(run_sh: str, path: Path, world: int) -> tuple[float, float]:
+    """(total comp, Total time) in microseconds from SimAI's end-to-end summary."""
+    out = subprocess.run([run_sh, str(path), str(world)], capture_output=True, text=True, timeout=600)
+    lines = out.stdout.splitlines()
+    if out.returncode or len(lines) < 2:
+        raise SystemExit(f"SimAI failed on {path}:\n{out.stdout}{out.stderr}")
+    keys = [k.strip() for k in lines[0].split(",")]
+    values = [v.strip().split(" ")[0] for v in lines[1].split(",")]
+    row = dict(zip(keys, values))
+    return float(row["total comp"]), float(row["Total time"])
+
+
+def run_astra(run_sh: str, prefix: Path, npus: int, groups: Path, device) -> float:
+    """The slowest rank's finish time in ns."""
+    network = prefix.parent / "network.yml"
+    network.write_text(network_yml(npus, device))
+    out = subprocess.run([run_sh, str(prefix), str(npus), str(groups)], capture_output=True, text=True, timeout=900,
+                         env={**os.environ, "NETWORK": str(network)})
+    finished = [int(m.group(1)) for m in re.finditer(r"rank \d+: (\d+) ns", out.stdout)]
+    if out.returncode or len(finished) != npus:
+        raise SystemExit(f"ASTRA-sim failed on {prefix}:\n{out.stdout}{out.stderr}")
+    return max(finished)
+
+
+def network_yml(npus: int, device) -> str:
+    gbps = device.intra_node_bytes_per_s / 2 / 1e9
+    return (f"topology: [ Switch ]\nnpus_count: [ {npus} ]\nbandwidth: [ {gbps} ]  # GB/s\n"
+            f"latency: [ {ASTRA_LATENCY_NS} ]  # ns\n")
+
+
+def ring_check(folder: Path, astra_run: str) -> str:
+    """One 100 MB all-reduce over 8 ranks in ASTRA-sim (our network file) and in NCCL's model (network.py)."""
+    from chakra.schema.protobuf import et_def_pb2 as pb
+    from chakra.src.third_party.utils.protolib import encodeMessage
+
+    folder.mkdir(parents=True, exist_ok=True)
+    size, ranks = 100_000_000, 8
+    for rank in range(ranks):
+        with open(folder / f"ring.{rank}.et", "wb") as handle:
+            encodeMessage(handle, pb.GlobalMetadata(version="0.0.4"))
+            node = pb.Node(id=0, name="all-reduce", type=pb.COMM_COLL_NODE)
+            node.attr.extend([pb.AttributeProto(name="is_cpu_op", bool_val=False),
+                              pb.AttributeProto(name="comm_type", int64_val=pb.ALL_REDUCE),
+                              pb.AttributeProto(name="comm_size", int64_val=size),
+                              pb.AttributeProto(name="pg_name", string_val="1")])
+            encodeMessage(handle, node)
+    (folder / "ring.groups.json").write_text(json.dumps({"1": list(range(ranks))}))
+    device = load(DEVICE)
+    astra_us = run_astra(astra_run, folder / "ring", ranks, folder / "ring.groups.json", device) / 1e3
+    ours_us = collective_ns("ALLREDUCE", size, ranks, 1, device) / 1e3
+    return f"100 MB all-reduce over 8 ranks: ASTRA-sim {astra_us:.0f} us, NCCL's model {ours_us:.0f} us"
+
+
+def _describe(p: Parallel, batch: int, seq: int) -> str:
+    parts = [f"tp{p.tp}{'+sp' if p.sp else ''}", f"pp{p.pp}" + (f" vpp{p.vpp}" if p.vpp > 1 else ""), f"dp{p.dp}"]
+    parts += [f"ep{p.ep}"] if p.ep > 1 else []
+    parts += [f"zero{p.zero}"] if p.zero else []
+    parts += [f"recompute {p.recompute}"] if p.recompute != "none" else []
+    return " ".join(parts) + f", {p.micro_batches}x{batch}x{seq}"
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:+.2f}%"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
