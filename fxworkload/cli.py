@@ -9,11 +9,12 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import signal
 import sys
 import warnings
 from pathlib import Path
 
-from .errors import UserError
+from .errors import Terminated, UserError, raise_terminated
 
 DEFAULT_DEVICE = "a100-80gb"
 
@@ -308,10 +309,11 @@ def _stem(path: Path) -> str:
 def run_plan(args) -> int:
     from .dtypes import check_settings
     from .formats.tables import plan_text
-    from .plan import plan
+    from .plan import check_plan_counts, plan
 
     _check_top(args.top)
     _check_out(args)
+    check_plan_counts(args.gpus, args.global_batch)
     check_settings(1, args.seq, args.dtype)
     if args.workers is not None and args.workers < 1:
         raise UserError(f"--workers must be at least 1, got {args.workers}")
@@ -472,6 +474,18 @@ def _device_row(name: str, load, note: str = "") -> list:
 
 def main(argv: list[str] | None = None) -> int:
     try:
+        previous = signal.signal(signal.SIGTERM, raise_terminated)
+    except ValueError:  # not the main thread (an embedding program): its own handler stays
+        previous = None
+    try:
+        return _main(argv)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _main(argv: list[str] | None) -> int:
+    try:
         args = build_parser().parse_args(argv)
         code = args.func(args)
         sys.stdout.flush()  # a full disk or a closed pipe on stdout is reported here, not at exit
@@ -482,6 +496,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("fxworkload: interrupted", file=sys.stderr)
         return 130
+    except Terminated:
+        print("fxworkload: terminated", file=sys.stderr)
+        return 143
     except BrokenPipeError:  # the reader went away (`| head`): stop quietly, as SIGPIPE would
         _silence_stdout()
         return 141

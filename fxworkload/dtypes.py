@@ -5,15 +5,10 @@ from __future__ import annotations
 import torch
 
 from .errors import UserError
+from .limits import MAX_BATCH, MAX_SEQ, MAX_TOKENS
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
-
-
-# Beyond any real training step (micro-batches of ~10^3 sequences, contexts of ~10^6 tokens).
-MAX_BATCH = 1 << 16
-MAX_SEQ = 1 << 24
-MAX_TOKENS = 1 << 26
 
 
 def check_settings(batch: int, seq: int | None, dtype: str, grad_dtype: str | None = None) -> None:

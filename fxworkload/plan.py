@@ -15,13 +15,16 @@ that outgrows one machine): each shape is one task.
 from __future__ import annotations
 
 import itertools
+import multiprocessing
 import os
+import signal
 import socket
 import sys
-from concurrent.futures import ProcessPoolExecutor, as_completed
+import threading
 from dataclasses import dataclass, replace
 
 from .errors import UserError
+from .limits import MAX_GLOBAL_BATCH, MAX_MICRO_BATCHES, MAX_WORLD, check_count
 
 MICRO_BATCH_SIZES = (1, 2, 4, 8)
 ZERO_STAGES = (0, 1, 2, 3)
@@ -42,6 +45,7 @@ def candidate_layouts(gpus: int, global_batch: int, facts, gpus_per_node: int) -
     from .parallel.layout import Parallel
 
     dropped = {"tp does not divide the heads or exceeds a node": 0, "global batch does not divide": 0,
+               f"more than {MAX_MICRO_BATCHES:,} micro-batches": 0,
                "virtual stages do not divide the layers or micro-batches": 0}
     groups: dict[Shape, list] = {}
     experts = facts.experts or 1
@@ -60,6 +64,9 @@ def candidate_layouts(gpus: int, global_batch: int, facts, gpus_per_node: int) -
                 dropped["global batch does not divide"] += 1
                 continue
             m = global_batch // (dp * b)
+            if m > MAX_MICRO_BATCHES:
+                dropped[f"more than {MAX_MICRO_BATCHES:,} micro-batches"] += 1
+                continue
             for zero, recompute, vpp in itertools.product(ZERO_STAGES, RECOMPUTE, VIRTUAL_STAGES):
                 if vpp > 1 and (pp == 1 or facts.layers % (pp * vpp) or m % pp):
                     dropped["virtual stages do not divide the layers or micro-batches"] += 1
@@ -71,7 +78,8 @@ def candidate_layouts(gpus: int, global_batch: int, facts, gpus_per_node: int) -
 
 
 def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    small = [d for d in range(1, int(n ** 0.5) + 1) if n % d == 0]
+    return sorted({*small, *(n // d for d in small)})
 
 
 def evaluate_shape(model: str, shape: Shape, layouts: list, seq: int, dtype: str, device: str) -> list[dict]:
@@ -115,8 +123,7 @@ def plan(model: str, gpus: int, global_batch: int, seq: int, device: str = "h100
          workers: int | None = None, ray: str | None = None, progress: bool = False) -> dict:
     from .pipeline import load_device
 
-    if gpus < 1 or global_batch < 1:
-        raise UserError(f"--gpus and --global-batch must be positive, got {gpus} and {global_batch}")
+    check_plan_counts(gpus, global_batch)
     profile = load_device(device)
     if not (profile.intra_node_bytes_per_s and profile.inter_node_bytes_per_s and profile.memory_capacity_bytes):
         raise UserError(f"device '{profile.name}' lacks interconnect or memory figures a plan needs; use a GPU "
@@ -134,6 +141,11 @@ def plan(model: str, gpus: int, global_batch: int, seq: int, device: str = "h100
     return {"model": facts.name, "gpus": gpus, "global_batch": global_batch, "seq": seq, "dtype": dtype,
             "device": profile.name, "evaluated": len(rows), "shapes": len(groups), "dropped": dropped,
             "ranked": fitting}
+
+
+def check_plan_counts(gpus: int, global_batch: int) -> None:
+    check_count("--gpus", gpus, MAX_WORLD)
+    check_count("--global-batch", global_batch, MAX_GLOBAL_BATCH, "it counts sequences per step")
 
 
 def _facts(model: str, dtype: str):
@@ -162,14 +174,52 @@ def _run(model, groups, seq, dtype, device, workers, ray_address, progress) -> l
             bar.update(pending.pop(ready[0]))
     else:
         count = workers or min(len(groups), os.cpu_count() or 1)
-        with ProcessPoolExecutor(max_workers=count) as pool:
-            futures = {pool.submit(evaluate_shape, model, shape, layouts, seq, dtype, device): len(layouts)
-                       for shape, layouts in groups.items()}
-            for future in as_completed(futures):
-                rows += future.result()
-                bar.update(futures[future])
+        tasks = [(model, shape, layouts, seq, dtype, device) for shape, layouts in groups.items()]
+        # Pool.__exit__ terminates the workers: Ctrl-C, SIGTERM (Terminated) or an error here ends them at once
+        with multiprocessing.get_context().Pool(count, initializer=_worker_start) as pool:
+            for part in pool.imap_unordered(_evaluate, tasks):
+                rows += part
+                bar.update(len(part))
     bar.close()
     return rows
+
+
+def _evaluate(task: tuple) -> list[dict]:
+    return evaluate_shape(*task)
+
+
+def _worker_start() -> None:
+    """A pool worker lives only as long as the plan that started it, and never holds its caller's pipes:
+    the parent ends it (SIGTERM from Pool.terminate: the default action, not our handler), Ctrl-C at a
+    terminal reaches the parent alone, and a parent killed outright takes its workers with it."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    devnull = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):  # a `| tee` or `$(...)` of the plan sees its end when the plan ends
+        os.dup2(devnull, fd)
+    parent = os.getppid()
+    _die_with_parent()
+    if os.getppid() != parent:  # the parent died before the line above took effect
+        os._exit(1)
+
+    def watch() -> None:  # where the kernel cannot tie the worker to its parent (not Linux)
+        while os.getppid() == parent:
+            threading.Event().wait(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
+def _die_with_parent() -> None:
+    """Linux's PR_SET_PDEATHSIG: the kernel sends SIGKILL to this process when its parent dies."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG = 1 (linux/prctl.h)
+    except (OSError, AttributeError):
+        pass
 
 
 def _ray(address: str):

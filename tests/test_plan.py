@@ -3,6 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -80,7 +86,7 @@ def test_plan_on_a_local_ray_cluster(four_layers):
 @pytest.mark.parametrize("args, says", [
     (["--gpus", "7", "--global-batch", "8"], "no layout of 7 GPUs"),
     (["--gpus", "16", "--global-batch", "3"], "no layout of 16 GPUs"),
-    (["--gpus", "0", "--global-batch", "8"], "must be positive"),
+    (["--gpus", "0", "--global-batch", "8"], "--gpus must be a positive integer, got 0"),
     (["--gpus", "4", "--global-batch", "8", "--ray", "127.0.0.1:1"], "cannot reach a Ray cluster"),
     (["--gpus", "4", "--global-batch", "8", "--device", "no-network"], "lacks interconnect or memory figures"),
 ])
@@ -94,3 +100,75 @@ def test_bad_plans_are_one_line(four_layers, tmp_path, args, says):
     run = fxworkload("plan", four_layers, "--seq", 16, *args, "--out", tmp_path / "never")
     assert run.returncode == 2 and says in run.stderr, run.stderr
     assert len(run.stderr.strip().splitlines()) == 1 and not (tmp_path / "never").exists()
+
+
+def _session(sid: int) -> list[int]:
+    """The live (not zombie) processes of a session: a dead worker waits as a zombie for init to reap it."""
+    alive = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            if os.getsid(int(entry)) == sid and "\nState:\tZ" not in Path(f"/proc/{entry}/status").read_text():
+                alive.append(int(entry))
+        except OSError:
+            pass
+    return alive
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads processes from /proc (Linux)")
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL])
+def test_stopping_plan_stops_its_workers_and_frees_the_callers_pipes(tmp_path, sig):
+    """Whatever stops plan (SIGTERM and Ctrl-C handled, SIGKILL not), no process of the run survives it and
+    a `| tee` or `$(...)` reading its output sees the end at once."""
+    env = {**os.environ, "FXWORKLOAD_CACHE_DIR": str(tmp_path / "cache"), "PYTHONWARNINGS": "ignore"}
+    run = subprocess.Popen([sys.executable, "-m", "fxworkload", "plan", "llama-3-8b", "--gpus", "64", "--global-batch",
+                            "64", "--seq", "512", "--workers", "2", "--out", str(tmp_path / "plan")],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True, env=env)
+    try:
+        deadline = time.monotonic() + 120
+        while len(_session(run.pid)) < 3 and time.monotonic() < deadline:  # the plan and its two workers
+            time.sleep(0.1)
+        assert len(_session(run.pid)) == 3, "the plan's workers never started"
+        time.sleep(1)  # the workers are capturing
+        os.kill(run.pid, sig)
+        out, err = run.communicate(timeout=30)  # both pipes closed: every writer is gone
+        expected = {signal.SIGTERM: 143, signal.SIGINT: 130, signal.SIGKILL: -signal.SIGKILL}[sig]
+        assert run.returncode == expected, err
+        if sig != signal.SIGKILL:
+            assert err.decode().strip().splitlines()[-1] in ("fxworkload: terminated", "fxworkload: interrupted")
+        deadline = time.monotonic() + 5
+        while _session(run.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _session(run.pid) == []
+        assert not (tmp_path / "plan").exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+    finally:
+        for pid in _session(run.pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--gpus", str(2 ** 31)], "--gpus 2,147,483,648 exceeds 1,048,576"),
+    (["--gpus", str(2 ** 63)], "--gpus 9,223,372,036,854,775,808 exceeds 1,048,576"),
+    (["--gpus", "1" + "0" * 30], "exceeds 1,048,576, more than any real run"),
+    (["--global-batch", str(10 ** 12)], "--global-batch 1,000,000,000,000 exceeds 4,194,304"),
+    (["--global-batch", str(2 ** 63)], "--global-batch 9,223,372,036,854,775,808 exceeds 4,194,304"),
+    (["--gpus", "0"], "--gpus must be a positive integer, got 0"),
+])
+def test_counts_past_any_real_run_are_refused_before_any_work(four_layers, tmp_path, args, message):
+    base = {"--gpus": "8", "--global-batch": "8"}
+    base.update(dict(zip(args[::2], args[1::2])))
+    started = time.monotonic()
+    run = fxworkload("plan", four_layers, "--seq", 16, *[x for kv in base.items() for x in kv], "--out", tmp_path / "x")
+    assert run.returncode == 2 and message in run.stderr and len(run.stderr.strip().splitlines()) == 1
+    assert time.monotonic() - started < 30 and not (tmp_path / "x").exists()
+
+
+def test_a_global_batch_needing_more_micro_batches_than_the_limit_drops_those_layouts(four_layers):
+    from fxworkload.limits import MAX_MICRO_BATCHES
+    from fxworkload.plan import _facts
+
+    groups, dropped = candidate_layouts(2, 2 * MAX_MICRO_BATCHES * 2, _facts(four_layers, "bf16"), 8)
+    layouts = [p for group in groups.values() for p in group]
+    assert layouts and max(p.micro_batches for p in layouts) <= MAX_MICRO_BATCHES
+    assert dropped[f"more than {MAX_MICRO_BATCHES:,} micro-batches"] > 0

@@ -21,6 +21,7 @@ from transformers.models.auto.modeling_auto import (
 
 from .builtin import locate
 from ..errors import UserError
+from ..limits import MAX_LAYERS
 
 CAUSAL_LM = "causal-lm"
 MASKED_LM = "masked-lm"
@@ -77,7 +78,7 @@ def load_config(config_path: Path) -> PretrainedConfig:
 
 # Sizes past these are no real model's (the largest have ~10^2 layers, widths ~10^4, vocabularies
 # ~10^6): a typo, and building such a model would take minutes or the machine's memory.
-SIZE_LIMITS = {"num_hidden_layers": 4096, "hidden_size": 1 << 20, "num_attention_heads": 1 << 16,
+SIZE_LIMITS = {"num_hidden_layers": MAX_LAYERS, "hidden_size": 1 << 20, "num_attention_heads": 1 << 16,
                "intermediate_size": 1 << 22, "vocab_size": 1 << 24, "max_position_embeddings": 1 << 24}
 
 

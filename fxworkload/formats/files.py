@@ -22,11 +22,12 @@ import signal
 import tempfile
 from pathlib import Path
 
-from ..errors import UserError
+from ..errors import Terminated, UserError
 
 MANIFEST = "manifest.json"
 # What fxworkload writes into an output folder: a folder holding only these may be replaced.
 OUR_FILES = frozenset({MANIFEST, "workload.tsv", "workload.json", "workload.simai.txt", "workload.trace.json",
+                       "workload.comm_groups.json",
                        "measured.tsv", "measured.json", "comparison.json", "comparison.txt", "comparison.png",
                        "plan.json", "plan.txt"})
 CHAKRA_FILE = re.compile(r"^workload\.\d+\.et$")  # one Chakra execution trace per rank
@@ -39,10 +40,19 @@ def is_ours(name: str) -> bool:
 _TEMP = re.compile(r"^\.(?P<name>.+)\.fxworkload-(?P<pid>\d+)-[A-Za-z0-9_]+$")
 
 
+def followed(out: Path) -> Path:
+    """A symbolic link given as --out is followed: the run replaces the folder it points to, the link stays."""
+    try:
+        return Path(os.path.realpath(out)) if out.is_symlink() else out
+    except OSError:  # a name too long, a loop: check_out_dir names the problem
+        return out
+
+
 def check_out_dir(out: Path) -> None:
     """Fail before any work if ``out`` cannot become this run's folder (nothing is created)."""
     if str(out) == "":
         raise UserError("--out is empty; give a folder name, e.g. --out outputs/run1")
+    out = followed(out)
     existing = out
     while not _exists(existing) and existing != existing.parent:
         existing = existing.parent
@@ -70,6 +80,7 @@ def check_out_dir(out: Path) -> None:
 def publish(out: Path, contents: dict[str, str | bytes], settings: dict) -> list[Path]:
     """Replace ``out`` with a folder holding exactly ``contents`` and a manifest of them; all or none."""
     check_out_dir(out)
+    given, out = out, followed(out)
     parent = out.absolute().parent
     try:
         parent.mkdir(parents=True, exist_ok=True)
@@ -91,22 +102,26 @@ def publish(out: Path, contents: dict[str, str | bytes], settings: dict) -> list
     finally:  # also on Ctrl-C while the files are written: no temporary folder is left behind
         with _sigint_deferred():
             shutil.rmtree(staging, ignore_errors=True)
-    return [out / name for name in [*contents, MANIFEST]]
+    return [given / name for name in [*contents, MANIFEST]]
 
 
 @contextlib.contextmanager
 def _sigint_deferred():
-    """Hold Ctrl-C until the block ends, then raise it: a swap or clean-up is never cut in half."""
+    """Hold Ctrl-C and SIGTERM until the block ends, then raise them: a swap or clean-up is never cut in half."""
     received = []
     try:
-        previous = signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
+        previous = {sig: signal.signal(sig, lambda signum, frame: received.append(signum))
+                    for sig in (signal.SIGINT, signal.SIGTERM)}
     except ValueError:  # not the main thread: signals are not delivered here anyway
         yield
         return
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if signal.SIGTERM in received:
+            raise Terminated
         if received:
             raise KeyboardInterrupt
 

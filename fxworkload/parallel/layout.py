@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from ..errors import UserError
+from ..limits import MAX_BUCKET_MB, MAX_MICRO_BATCHES, MAX_VOCAB_MULTIPLE, MAX_WORLD
 
 
 @dataclass(frozen=True)
@@ -36,12 +37,6 @@ class Parallel:
 
 RECOMPUTE_MODES = ("none", "selective", "full")
 
-# Beyond any real run (the largest trainings so far use about 10^5 GPUs and 10^3 micro-batches):
-# a figure past these is a typo, and would make outputs of absurd size.
-MAX_WORLD = 1 << 20
-MAX_MICRO_BATCHES = 1 << 14
-MAX_VOCAB_MULTIPLE = 1 << 16
-MAX_BUCKET_MB = 1 << 20
 
 
 def check_values(parallel: Parallel) -> None:

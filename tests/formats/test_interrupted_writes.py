@@ -5,6 +5,7 @@ one; after SIGINT no temporary folder remains, and what SIGKILL leaves the next 
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -12,6 +13,8 @@ import textwrap
 from pathlib import Path
 
 import pytest
+
+from ..test_cli import fxworkload
 
 OLD = {"workload.tsv": "old table\n", "workload.json": '{"old": 1}\n', "workload.simai.txt": "old simai\n"}
 NEW = {"workload.tsv": "new table\n" * 1000, "workload.json": '{"new": 2}\n'}
@@ -21,8 +24,10 @@ NEW = {"workload.tsv": "new table\n" * 1000, "workload.json": '{"new": 2}\n'}
 DRIVER = textwrap.dedent("""
     import json, os, shutil, signal, sys
     from pathlib import Path
+    from fxworkload.errors import Terminated, raise_terminated
     from fxworkload.formats import files
 
+    signal.signal(signal.SIGTERM, raise_terminated)  # as the CLI's main does
     out, contents, kill_at, signum = Path(sys.argv[1]), json.loads(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
     step = 0
 
@@ -42,6 +47,8 @@ DRIVER = textwrap.dedent("""
         files.publish(out, contents, {"run": "new"})
     except KeyboardInterrupt:
         sys.exit(130)
+    except Terminated:
+        sys.exit(143)
     print("steps", step)
 """)
 
@@ -68,7 +75,7 @@ def _steps(tmp_path: Path) -> int:
     return int(run.stdout.split()[1])
 
 
-@pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGINT])
+@pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGINT, signal.SIGTERM])
 def test_a_kill_at_any_step_of_the_write_leaves_the_old_or_the_new_output(signum, tmp_path):
     from fxworkload.formats.files import publish
 
@@ -78,11 +85,12 @@ def test_a_kill_at_any_step_of_the_write_leaves_the_old_or_the_new_output(signum
         out = parent / "out"
         publish(out, OLD, {"run": "old"})
         run = _publish_until(out, kill_at, signum)
-        assert run.returncode == (-signal.SIGKILL if signum == signal.SIGKILL else 130), run.stderr
+        expected = {signal.SIGKILL: -signal.SIGKILL, signal.SIGINT: 130, signal.SIGTERM: 143}[signum]
+        assert run.returncode == expected, run.stderr
         assert "Traceback" not in run.stderr
         seen.add(_state(out))
         leftovers = [p.name for p in parent.iterdir() if p.name != "out"]
-        if signum == signal.SIGINT:
+        if signum != signal.SIGKILL:  # handled: the temporary folder is removed on the way out
             assert leftovers == []
         else:
             publish(out, OLD, {"run": "again"})  # the next run into the same place removes what was left
@@ -112,3 +120,15 @@ def test_ctrl_c_during_an_extract_exits_130_and_leaves_no_temp(tiny_dirs, tmp_pa
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert run.returncode == 130 and run.stderr.strip().splitlines()[-1] == "fxworkload: interrupted"
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_symlinked_out_is_followed_never_replaced(tiny_dirs, tmp_path):
+    target = tmp_path / "real"
+    link = tmp_path / "link"
+    link.symlink_to(target, target_is_directory=True)  # dangling until the first run
+    for seq in ("8", "16"):
+        run = fxworkload("extract", tiny_dirs["gpt2"], "--seq", seq, "--out", link)
+        assert run.returncode == 0, run.stderr
+        assert link.is_symlink() and os.readlink(link) == str(target)
+        assert json.loads((target / "workload.json").read_text())["settings"]["seq"] == int(seq)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "real"]  # no hidden leftovers

@@ -1,0 +1,28 @@
+"""The bounds on every count a user gives, in one place, checked before any work starts.
+
+Each is far beyond any real run (the largest trainings so far use about 10^5 GPUs, 10^3
+micro-batches, global batches of a few thousand sequences and contexts of about 10^6 tokens): a
+figure past one is a typo, and would make a sweep hang or an output of absurd size.
+"""
+
+from __future__ import annotations
+
+from .errors import UserError
+
+MAX_WORLD = 1 << 20  # GPUs
+MAX_MICRO_BATCHES = 1 << 14  # per step and pipeline
+MAX_GLOBAL_BATCH = 1 << 22  # sequences per step
+MAX_BATCH = 1 << 16  # sequences per micro-batch
+MAX_SEQ = 1 << 24  # tokens per sequence
+MAX_TOKENS = 1 << 26  # tokens per micro-batch
+MAX_LAYERS = 4096  # decoder layers of a model
+MAX_VOCAB_MULTIPLE = 1 << 16
+MAX_BUCKET_MB = 1 << 20
+
+
+def check_count(option: str, value, limit: int, hint: str = "check it") -> None:
+    """A positive integer no larger than ``limit``; else one line naming the option, the value and the limit."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise UserError(f"{option} must be a positive integer, got {value}")
+    if value > limit:
+        raise UserError(f"{option} {value:,} exceeds {limit:,}, more than any real run; {hint}")
