@@ -21,7 +21,7 @@ test: $(STAMP)
 
 # The property-based CLI fuzzer with a large budget (make test runs a small derandomized one).
 fuzz: $(STAMP)
-	FXWORKLOAD_FUZZ_EXAMPLES=2000 $(BIN)/python -m pytest -q -s -p no:cacheprovider tests/test_fuzz.py
+	FXWORKLOAD_FUZZ_EXAMPLES=3000 $(BIN)/python -m pytest -q -s -p no:cacheprovider tests/test_fuzz.py
 
 bench: $(STAMP)
 	$(BIN)/python bench/extract.py

@@ -14,7 +14,7 @@ import sys
 import warnings
 from pathlib import Path
 
-from .errors import Terminated, UserError, raise_terminated
+from .errors import Refused, Terminated, UserError, clear_signalled, on_signal
 
 DEFAULT_DEVICE = "a100-80gb"
 
@@ -193,6 +193,12 @@ def _quiet_transformers() -> None:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     warnings.filterwarnings("ignore", module="transformers")
+    import logging
+
+    # torch logs a fake-tensor kernel's failure with its traceback before raising it; the exception
+    # reaches our handler, which says it in one line
+    for name in ("torch._subclasses.fake_tensor", "torch.fx.experimental.symbolic_shapes"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
     if "transformers" in sys.modules:  # already imported (in-process callers): set it directly
         from transformers.utils import logging as transformers_logging
 
@@ -225,16 +231,29 @@ def run_extract(args) -> int:
 
 def run_profile(args) -> int:
     from .formats.tables import measured_json_text, measured_summary_text, tsv_text
-    from .measure.profile import profile
+    from .measure.profile import OutOfMemory, profile
 
     _check_out(args)
     _quiet_transformers()
-    result = profile(args.model, batch=args.batch, seq=args.seq, dtype=args.dtype, on=args.on,
-                     repeat=args.repeat, warmup=args.warmup, progress=True, timer=args.timer)
+    try:
+        result = profile(args.model, batch=args.batch, seq=args.seq, dtype=args.dtype, on=args.on,
+                         repeat=args.repeat, warmup=args.warmup, progress=True, timer=args.timer)
+    except OutOfMemory as exc:
+        raise UserError(f"{exc} (the step needs about {_needed_gib(args.model, exc)} GiB: extract's estimate)") from None
     return _publish(args.out or Path("outputs") / f"{result.spec.name}-measured", measured_summary_text(result), {
         "measured.tsv": tsv_text(result.workload, "bytes", result.op_ns),
         "measured.json": measured_json_text(result),
     }, result.settings)
+
+
+def _needed_gib(model: str, exc) -> str:
+    from .pipeline import extract
+
+    try:  # the same step on the meta device: no memory for the model
+        memory = extract(model, batch=exc.batch, seq=exc.seq, dtype=exc.dtype, trace_on="cpu").memory
+    except Exception:  # the figure is a courtesy: the error stands without it
+        return "?"
+    return f"{memory.total_peak_bytes / 2 ** 30:.1f}"
 
 
 def _check_out(args) -> None:
@@ -334,6 +353,9 @@ def run_calibrate(args) -> int:
         raise UserError(f"unknown --on {args.on!r}: use cpu or cuda")
     if args.name is not None:
         devices.check_name(args.name, "--name")
+    if args.kernels is not None and (args.from_trace is not None or args.estimated is not None):
+        raise UserError("--kernels fits a GPU's measured kernel CSVs and --from a profiler trace of a step: "
+                        "give one of them")
     if args.from_trace is not None or args.estimated is not None:
         return _calibrate_from(args)
     if (args.on != "cpu" or args.kernels is not None) and not args.name:
@@ -366,7 +388,7 @@ def _save_profile(profile, name: str) -> Path:
     try:
         return devices.save(profile, devices.measured_path(name))
     except OSError as exc:
-        raise UserError(f"cannot write the profile to {devices.cache_dir()} ({exc.strerror}); "
+        raise Refused(f"cannot write the profile to {devices.cache_dir()} ({exc.strerror}); "
                         "set FXWORKLOAD_CACHE_DIR to a writable folder") from None
 
 
@@ -473,26 +495,29 @@ def _device_row(name: str, load, note: str = "") -> list:
 
 
 def main(argv: list[str] | None = None) -> int:
+    clear_signalled()
     try:
-        previous = signal.signal(signal.SIGTERM, raise_terminated)
-    except ValueError:  # not the main thread (an embedding program): its own handler stays
-        previous = None
+        previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    except ValueError:  # not the main thread (an embedding program): its own handlers stay
+        previous = {}
     try:
         return _main(argv)
     finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _main(argv: list[str] | None) -> int:
     try:
+        if sys.stdout is None:  # started with fd 1 closed (`>&-`): nothing could report what the run did
+            raise Refused("standard output is closed; give the command somewhere to print (e.g. > log.txt)")
         args = build_parser().parse_args(argv)
         code = args.func(args)
         sys.stdout.flush()  # a full disk or a closed pipe on stdout is reported here, not at exit
         return code
     except UserError as exc:
         print(f"fxworkload: error: {_one_line(str(exc))}", file=sys.stderr)
-        return 2
+        return 1 if isinstance(exc, Refused) else 2
     except KeyboardInterrupt:
         print("fxworkload: interrupted", file=sys.stderr)
         return 130
@@ -504,7 +529,7 @@ def _main(argv: list[str] | None) -> int:
         return 141
     except OSError as exc:  # the disk or the system refused: a full disk, permissions, a name too long
         _silence_stdout()
-        where = f": {exc.filename}" if exc.filename else ""
+        where = f": {exc.filename}" if exc.filename else " (writing standard output)"
         print(f"fxworkload: error: {exc.strerror or type(exc).__name__}{where}", file=sys.stderr)
         return 1
     except Exception as exc:  # a bug of ours: one line saying so; FXWORKLOAD_DEBUG=1 shows the traceback
@@ -517,9 +542,14 @@ def _main(argv: list[str] | None) -> int:
         return 70
 
 
+MAX_MESSAGE_CHARS = 600
+
+
 def _one_line(text: str) -> str:
-    """Messages echo user input: a newline in it must not split the error line."""
-    return " ".join(text.replace("\r", "\n").split("\n"))
+    """Messages echo user input: a newline in it must not split the error line, and a value of
+    thousands of characters is shown by its ends."""
+    line = " ".join(text.replace("\r", "\n").split("\n"))
+    return line if len(line) <= MAX_MESSAGE_CHARS else f"{line[:360]} … {line[-200:]}"
 
 
 def _silence_stdout() -> None:

@@ -1,8 +1,14 @@
-"""The one exception type the CLI turns into a single line on stderr and exit status 2."""
+"""The exceptions the CLI turns into one line on stderr and an exit status, and the signals that stop a run."""
+
+import signal
 
 
 class UserError(Exception):
     """Bad input: the message names what is wrong and what to do about it."""
+
+
+class Refused(UserError):
+    """The system refused what the run needed (a full disk, a permission): one line, exit status 1."""
 
 
 class Terminated(BaseException):
@@ -10,5 +16,20 @@ class Terminated(BaseException):
     (workers ended, temporary folders removed) and exits 143, as a process killed by SIGTERM reports."""
 
 
-def raise_terminated(signum, frame):
-    raise Terminated
+_SIGNALLED: list[int] = []  # every SIGINT / SIGTERM this run received
+
+
+def on_signal(signum, frame):
+    """Ctrl-C and SIGTERM stop the run; they are also remembered, so that one swallowed by a library's
+    bare ``except`` (while it imports, say) still stops the run before it writes anything."""
+    _SIGNALLED.append(signum)
+    raise Terminated if signum == signal.SIGTERM else KeyboardInterrupt
+
+
+def check_signalled() -> None:
+    if _SIGNALLED:
+        raise Terminated if signal.SIGTERM in _SIGNALLED else KeyboardInterrupt
+
+
+def clear_signalled() -> None:
+    _SIGNALLED.clear()

@@ -159,7 +159,7 @@ def extract(model: str, batch: int = 1, seq: int | None = None, dtype: str = "fp
     records the fused attention kernel that GPU would choose), ``cpu`` or ``cuda`` (no GPU needed);
     ``every_layer`` traces all layers even where one layer could stand for all (see layers.py);
     ``batch`` is the micro-batch of one rank; with tp or ep > 1 the rank's share of the model is traced."""
-    grad_dtype = grad_dtype or dtype
+    grad_dtype = dtype if grad_dtype is None else grad_dtype
     parallel = parallel or Parallel()
     check_settings(batch, seq, dtype, grad_dtype)
     check_values(parallel)

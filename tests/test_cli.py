@@ -168,7 +168,8 @@ def test_a_closed_pipe_and_a_full_disk_are_not_tracebacks():
     with open("/dev/full", "w") as full:
         run = subprocess.run([sys.executable, "-m", "fxworkload", "models"], stdout=full, stderr=subprocess.PIPE,
                              text=True)
-    assert run.returncode == 1 and run.stderr.strip() == "fxworkload: error: No space left on device"
+    assert run.returncode == 1 and run.stderr.strip() == ("fxworkload: error: No space left on device "
+                                                          "(writing standard output)")
 
 
 @pytest.mark.parametrize("args, message", [

@@ -13,6 +13,8 @@ exit, one line on stderr, no traceback, no internal error, and nothing left in `
 from __future__ import annotations
 
 import contextlib
+import csv
+import gzip
 import io
 import json
 import math
@@ -29,6 +31,10 @@ from hypothesis import strategies as st
 
 from fxworkload.cli import main
 from fxworkload.cost import devices
+
+from .measure.test_profiler_trace import BATCH, SEQ, profile_steps
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
 
 EXAMPLES = int(os.environ.get("FXWORKLOAD_FUZZ_EXAMPLES", "60"))
 HANG_SECONDS = 120  # an example still running after this counts as a hang
@@ -89,8 +95,96 @@ def world(tiny_dirs, tmp_path_factory):
              str(measured / "meas"), str(measured / "meas" / "measured.json"),
              *(str(measured / n) for n in ("mangled.json", "nan.json", "empty.json", "list.json", "binary.json")),
              str(root / "missing.json"), *(str(p) for p in sorted((Path(__file__).parent / "fixtures").glob("megatron_*")))]
-    yield {"root": root, "models": models, "files": files}
+    trace_dir = root / "trace"
+    trace_dir.mkdir()
+    profile_steps("gpt2", trace_dir / "trace.json")
+    assert main(["extract", models["gpt2"], "--batch", str(BATCH), "--seq", str(SEQ), "--trace-on", "cpu",
+                 "--device", "cpu", "--out", str(trace_dir / "est")]) == 0
+    yield {"root": root, "models": models, "files": files, "trace": json.loads((trace_dir / "trace.json").read_text()),
+           "trace_est": str(trace_dir / "est"), "logs": [p.read_text() for p in sorted(FIXTURES.glob("megatron_*"))],
+           "kernels": _kernel_rows()}
     patch.undo()
+
+
+def _kernel_rows() -> dict[str, list[list[str]]]:
+    """A small kernel data folder as rows (header first), each file with enough rows to be fitted."""
+    return {"gemm.csv": [["dtype", "m", "k", "n", "layout", "us"]]
+            + [["bf16", str(256 * i), "1024", "1024", "NT", f"{10.0 * i}"] for i in (1, 2, 3, 4)],
+            "sdpa.csv": [["dtype", "batch", "heads", "kv_heads", "seq", "head_dim", "causal", "dropout", "mask",
+                          "fwd_us", "bwd_us", "fwd_kernels"]]
+            + [["bf16", "1", "8", "8", str(128 * i), "64", "True", "0.0", "none", f"{20.0 * i}", f"{60.0 * i}", "k"]
+               for i in (1, 2, 3, 4)],
+            "vector.csv": [["op", "dtype", "rows", "cols", "us"]]
+            + [["add", "bf16", str(1024 * i), "1024", f"{5.0 * i}"] for i in (1, 2, 3, 4)]}
+
+
+# Foreign inputs, generated: one field of one record replaced by anything, or the text cut or grown.
+FIELD_VALUES = st.one_of(st.sampled_from([None, "", "x", -1, 0, 1.5, 1e300, -1e300, 2 ** 63, [], {}, True, "nan",
+                                          "NaN", "1e999"]),
+                         st.integers(-2 ** 70, 2 ** 70), st.floats(allow_nan=True, allow_infinity=True),
+                         st.text(max_size=8))
+
+
+@st.composite
+def _mangled_trace(draw, world) -> bytes:
+    document = json.loads(json.dumps(world["trace"]))
+    events = document["traceEvents"]
+    for _ in range(draw(st.integers(1, 3))):
+        event = events[draw(st.integers(0, len(events) - 1))]
+        where = event if draw(st.booleans()) or not isinstance(event.get("args"), dict) else event["args"]
+        key = draw(st.sampled_from(sorted(where) + ["name", "ts", "dur", "tid", "pid", "cat", "Sequence number"]))
+        if draw(st.integers(0, 9)) == 0:
+            where.pop(key, None)
+        else:
+            where[key] = draw(FIELD_VALUES)
+    text = json.dumps(document).encode()
+    how = draw(st.sampled_from(["plain", "plain", "gzip", "cut", "deep"]))
+    if how == "gzip":
+        return gzip.compress(text)
+    if how == "cut":
+        return text[: draw(st.integers(0, len(text)))]
+    if how == "deep":
+        depth = draw(st.integers(1, 200_000))
+        return b'{"traceEvents": ' + b"[" * depth + b"]" * depth + b"}"
+    return text
+
+
+@st.composite
+def _mangled_log(draw, world) -> bytes:
+    lines = draw(st.sampled_from(world["logs"])).splitlines()
+    for _ in range(draw(st.integers(1, 3))):
+        index = draw(st.integers(0, len(lines) - 1))
+        line = lines[index]
+        cut = draw(st.integers(0, len(line)))
+        lines[index] = line[:cut] + draw(st.sampled_from(["", "=", ",", "[", "]", "(", "nan", "-1", "1e999", "'", "\x00",
+                                                          "[" * 5000])) + line[cut + draw(st.integers(0, 5)):]
+    return "\n".join(lines).encode("utf-8", "surrogateescape")
+
+
+@st.composite
+def _mangled_kernels(draw, world) -> dict[str, bytes]:
+    files = {name: [list(row) for row in rows] for name, rows in world["kernels"].items()}
+    for _ in range(draw(st.integers(0, 3))):
+        name = draw(st.sampled_from(sorted(files)))
+        rows = files[name]
+        how = draw(st.sampled_from(["field", "field", "field", "drop rows", "drop column"]))
+        if how == "drop rows":
+            del rows[draw(st.integers(1, len(rows))):]
+        elif how == "drop column" and len(rows[0]) > 1:
+            column = draw(st.integers(0, len(rows[0]) - 1))
+            for row in rows:
+                del row[column]
+        elif len(rows) > 1:
+            row = rows[draw(st.integers(1, len(rows) - 1))]
+            row[draw(st.integers(0, len(row) - 1))] = str(draw(FIELD_VALUES))
+    out = {}
+    for name, rows in files.items():
+        buffer = io.StringIO()
+        csv.writer(buffer).writerows(rows)
+        out[name] = buffer.getvalue().encode("utf-8", "surrogateescape")
+    if draw(st.integers(0, 9)) == 0:
+        out[draw(st.sampled_from(sorted(out)))] += b"\xff\xfe,\x00\n"
+    return out
 
 
 def _extract_args(world) -> st.SearchStrategy[list[str]]:
@@ -133,9 +227,41 @@ def _argv(world) -> st.SearchStrategy[list[str]]:
             lambda t: ["calibrate", "--on", t[0], "--name", t[1]]),
             st.sampled_from(ODD[1:]).map(lambda name: ["calibrate", "--name", name]).filter(
                 lambda a: not devices._NAME.fullmatch(a[2]))),
+        st.tuples(_mangled_trace(world), _value(["0", "5"])).map(
+            lambda t: ["compare", world["trace_est"], ("trace", t[0]), "--top", t[1]]),
+        st.tuples(_mangled_trace(world)).map(
+            lambda t: ["calibrate", "--from", ("trace", t[0]), "--estimated", world["trace_est"], "--name", "fz-from"]),
+        st.tuples(_mangled_log(world), _value(["0", "1"])).map(
+            lambda t: ["compare", world["trace_est"], ("log", t[0]), "--rank", t[1]]),
+        st.tuples(_mangled_kernels(world), _value(["h100-sxm", "a100-80gb"])).map(
+            lambda t: ["calibrate", "--kernels", ("kernels", t[0]), "--like", t[1], "--name", "fz-kernels"]),
+        st.tuples(st.sampled_from([world["models"][k] for k in ("llama", "llama", "gpt2", "mixtral", "binary")]),
+                  _value(["1", "2", "4", "8"]), _value(["1", "2", "8", "16"]), _value(["16", "8"]),
+                  _value(["1"]), _value(["bf16", "fp32"]), _value(["h100-sxm", "a100-80gb", "fuzz-gpu"]),
+                  _value(["3", "0"])).map(
+            lambda t: ["plan", t[0], "--gpus", t[1], "--global-batch", t[2], "--seq", t[3], "--workers", t[4],
+                       "--dtype", t[5], "--device", t[6], "--top", t[7]]),
         st.just(["models"]), st.just(["devices"]),
         st.lists(st.sampled_from(["extract", "--out", "x", "-h2", "--nope", "models", "é", ""]), max_size=4),
     )
+
+
+def _materialize(arg, scratch: Path) -> str:
+    """A generated input written where the example runs: ("trace", bytes), ("log", bytes), ("kernels", files)."""
+    if not isinstance(arg, tuple):
+        return arg
+    kind, content = arg
+    inputs = scratch / "inputs"  # not an output: left out of the checks of what the run wrote
+    inputs.mkdir(exist_ok=True)
+    if kind == "kernels":
+        folder = inputs / "kernels"
+        folder.mkdir()
+        for name, data in content.items():
+            (folder / name).write_bytes(data)
+        return str(folder)
+    path = inputs / ("trace.json.gz" if content[:2] == b"\x1f\x8b" else f"{kind}.txt" if kind == "log" else "trace.json")
+    path.write_bytes(content)
+    return str(path)
 
 
 class Hang(BaseException):  # not an Exception: the CLI's last-resort handler must not swallow it
@@ -169,7 +295,8 @@ def test_every_command_line_ends_in_a_result_or_one_clean_line(world):
         runs["count"] += 1
         with tempfile.TemporaryDirectory(dir=world["root"]) as scratch:
             out = Path(scratch) / "out"
-            if with_out and argv and argv[0] in ("extract", "profile"):
+            argv = [_materialize(a, Path(scratch)) for a in argv]
+            if with_out and argv and argv[0] in ("extract", "profile", "compare", "plan"):
                 argv = [*argv, "--out", str(out)]
             stdout, stderr = io.StringIO(), io.StringIO()
             cwd = os.getcwd()
@@ -190,7 +317,7 @@ def test_every_command_line_ends_in_a_result_or_one_clean_line(world):
             COMMANDS[(argv[0] if argv else "", "ok" if code == 0 else "error")] += 1
             if code == 0:
                 OUTCOMES["ok"] += 1
-                for path in Path(scratch).rglob("*.json"):
+                for path in (p for p in Path(scratch).rglob("*.json") if "inputs" not in p.parts):
                     numbers = list(_numbers(json.loads(path.read_text())))
                     bad = [n for n in numbers if not math.isfinite(n) or n < 0]
                     assert bad == [], (argv, path.name, bad[:3])

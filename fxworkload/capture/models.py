@@ -79,7 +79,8 @@ def load_config(config_path: Path) -> PretrainedConfig:
 # Sizes past these are no real model's (the largest have ~10^2 layers, widths ~10^4, vocabularies
 # ~10^6): a typo, and building such a model would take minutes or the machine's memory.
 SIZE_LIMITS = {"num_hidden_layers": MAX_LAYERS, "hidden_size": 1 << 20, "num_attention_heads": 1 << 16,
-               "intermediate_size": 1 << 22, "vocab_size": 1 << 24, "max_position_embeddings": 1 << 24}
+               "intermediate_size": 1 << 22, "vocab_size": 1 << 24, "max_position_embeddings": 1 << 24,
+               "num_local_experts": 1 << 16, "num_experts": 1 << 16, "num_experts_per_tok": 1 << 16}
 
 
 def check_sizes(config: PretrainedConfig, config_path: Path) -> None:
@@ -94,6 +95,11 @@ def check_sizes(config: PretrainedConfig, config_path: Path) -> None:
                 shown = repr(value) if len(repr(value)) <= 40 else f"{repr(size)} (in a per-layer list)"
                 raise UserError(f"{config_path}: {name} = {shown} is not a model size (a whole number from 1 "
                                 f"to {limit:,}); fix the file")
+    experts = setting(config, "num_local_experts") or setting(config, "num_experts")
+    top_k = setting(config, "num_experts_per_tok")
+    if isinstance(experts, int) and isinstance(top_k, int) and top_k > experts:
+        raise UserError(f"{config_path}: num_experts_per_tok = {top_k} routes each token to more experts than the "
+                        f"{experts} there are; fix the file")
 
 
 def task_of(config: PretrainedConfig) -> str:

@@ -22,7 +22,7 @@ import signal
 import tempfile
 from pathlib import Path
 
-from ..errors import Terminated, UserError
+from ..errors import Refused, Terminated, UserError, check_signalled
 
 MANIFEST = "manifest.json"
 # What fxworkload writes into an output folder: a folder holding only these may be replaced.
@@ -62,14 +62,16 @@ def check_out_dir(out: Path) -> None:
                         "file system allows; choose a shorter --out")
     if existing != out:
         if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
-            reason = "a file is in the way" if not existing.is_dir() else "not writable"
-            raise UserError(f"cannot write to output folder {out} ({reason}: {existing}); choose another --out")
+            if not existing.is_dir():
+                raise UserError(f"cannot write to output folder {out} (a file is in the way: {existing}); "
+                                "choose another --out")
+            raise Refused(f"cannot write to output folder {out} (not writable: {existing}); choose another --out")
         return
     if not out.is_dir():
         raise UserError(f"--out {out} is a file, not a folder; choose another --out")
     parent = out.resolve().parent
     if not os.access(parent, os.W_OK | os.X_OK):
-        raise UserError(f"cannot replace output folder {out} (its parent {parent} is not writable); choose another --out")
+        raise Refused(f"cannot replace output folder {out} (its parent {parent} is not writable); choose another --out")
     foreign = sorted(entry.name for entry in _entries(out) if not is_ours(entry.name) or not entry.is_file())
     if foreign:
         raise UserError(f"--out {out} holds files fxworkload did not write ({foreign[0]}"
@@ -87,17 +89,18 @@ def publish(out: Path, contents: dict[str, str | bytes], settings: dict) -> list
         remove_stale_temps(out)
         staging = Path(tempfile.mkdtemp(dir=parent, prefix=f".{out.name}.fxworkload-{os.getpid()}-"))
     except OSError as exc:
-        raise UserError(f"cannot write to output folder {out} ({_reason(exc)}); choose another --out") from None
+        raise Refused(f"cannot write to output folder {out} ({_reason(exc)}); choose another --out") from None
     try:
         for name, content in contents.items():
             _write(staging / name, content)
         _write(staging / MANIFEST, manifest_text(contents, settings))
         os.chmod(staging, 0o777 & ~_umask())
+        check_signalled()  # a Ctrl-C that a library swallowed earlier still keeps the old output
         with _sigint_deferred():  # the swap and the removal of the old folder run to the end
             _swap_into_place(staging, out)
             shutil.rmtree(staging, ignore_errors=True)
     except OSError as exc:
-        raise UserError(f"cannot write to output folder {out} ({_reason(exc)}); nothing was changed there; "
+        raise Refused(f"cannot write to output folder {out} ({_reason(exc)}); nothing was changed there; "
                         "free space or choose another --out") from None
     finally:  # also on Ctrl-C while the files are written: no temporary folder is left behind
         with _sigint_deferred():
@@ -163,13 +166,13 @@ def write_file(path: Path, content: str | bytes, option: str = "--plot") -> Path
         parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=parent, prefix=f".{path.name}.")
     except OSError as exc:
-        raise UserError(f"cannot write {option} {path} ({_reason(exc)}); choose another {option} path") from None
+        raise Refused(f"cannot write {option} {path} ({_reason(exc)}); choose another {option} path") from None
     try:
         os.close(fd)
         _write(Path(tmp), content)
         os.replace(tmp, path)
     except OSError as exc:
-        raise UserError(f"cannot write {option} {path} ({_reason(exc)}); choose another {option} path") from None
+        raise Refused(f"cannot write {option} {path} ({_reason(exc)}); choose another {option} path") from None
     finally:
         Path(tmp).unlink(missing_ok=True)
     return path
@@ -236,7 +239,7 @@ def _entries(folder: Path) -> list[os.DirEntry]:
         with os.scandir(folder) as it:
             return list(it)
     except OSError as exc:
-        raise UserError(f"cannot read output folder {folder} ({_reason(exc)}); choose another --out") from None
+        raise Refused(f"cannot read output folder {folder} ({_reason(exc)}); choose another --out") from None
 
 
 def _exists(path: Path) -> bool:

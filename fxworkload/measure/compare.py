@@ -21,6 +21,7 @@ from tabulate import tabulate
 
 from ..capture.trace import PHASES
 from ..errors import UserError
+from ..inputs import load_json, read_input
 from ..cost.flops import KINDS
 
 
@@ -64,12 +65,7 @@ def load_document(path: Path, expected_name: str) -> dict:
         path = path / expected_name
     elif path.suffix == ".tsv":
         path = path.with_suffix(".json")
-    try:
-        document = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise UserError(f"{path}: no such file; pass the {expected_name} fxworkload wrote, or its folder") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise UserError(f"{path}: cannot read it as JSON ({exc}); pass the {expected_name} fxworkload wrote") from None
+    document = load_json(path, f"the {expected_name} fxworkload wrote, or its folder")
     time_key = "estimated_ns" if expected_name == "workload.json" else "measured_ns"
     if not isinstance(document, dict) or not _has_op_times(document, time_key):
         raise UserError(f"{path}: not a {expected_name} (no rows with per-op '{time_key}'); "
@@ -87,17 +83,8 @@ MEASURED_FORMATS = ("auto", "measured", "torch-profiler", "megatron")
 def detect_format(path: Path) -> str:
     """measured (fxworkload profile's measured.json), torch-profiler (a Kineto JSON trace, maybe
     gzipped) or megatron (a per-rank timing log), from the file's first bytes."""
-    try:
-        with open(path, "rb") as handle:
-            raw = handle.read(1 << 16)
-    except FileNotFoundError:
-        raise UserError(f"{path}: no such file; pass measured.json, a profiler trace (.json, .json.gz) "
-                        "or a Megatron timing log") from None
-    except OSError as exc:
-        raise UserError(f"{path}: cannot read it ({exc.strerror})") from None
-    if raw[:2] == b"\x1f\x8b":
-        return "torch-profiler"
-    head = raw.decode("utf-8", errors="replace").lstrip()
+    raw = read_input(path, "measured.json, a profiler trace (.json, .json.gz) or a Megatron timing log")
+    head = raw[:1 << 16].decode("utf-8", errors="replace").lstrip()
     if head.startswith("rank:"):
         return "megatron"
     if '"traceEvents"' in head or '"schemaVersion"' in head:
@@ -158,6 +145,12 @@ def _malformed(document: dict, time_key: str) -> str | None:
     label = time_key.removesuffix("_ns")
     if not isinstance(document.get("settings", {}), dict):
         return "'settings' is not an object"
+    totals = document.get("totals", {})
+    if not isinstance(totals, dict):
+        return "'totals' is not an object"
+    for key in ("eager_step_ns", "step_peak_bytes"):
+        if totals.get(key) is not None and not _is_time(totals[key]):
+            return f"totals '{key}' = {totals[key]!r} is not a figure (finite, 0 or more)"
     for index, row in enumerate(document["rows"], start=1):
         if not isinstance(row, dict):
             return f"row {index} is not an object"

@@ -35,8 +35,12 @@ COLUMNS = {"gemm.csv": ("dtype", "m", "k", "n", "layout", "us"),
            "sdpa.csv": ("dtype", "batch", "heads", "kv_heads", "seq", "head_dim", "causal", "dropout", "mask",
                         "fwd_us", "bwd_us", "fwd_kernels"),
            "vector.csv": ("op", "dtype", "rows", "cols", "us")}
-NUMERIC = {"m", "k", "n", "us", "batch", "heads", "kv_heads", "seq", "head_dim", "dropout", "fwd_us", "bwd_us",
-           "rows", "cols"}
+SIZES = {"m", "k", "n", "batch", "heads", "kv_heads", "seq", "head_dim", "rows", "cols"}
+TIMES = {"us", "fwd_us", "bwd_us"}
+CHOICES = {"dtype": tuple(DTYPES), "layout": ("NN", "NT", "TN"), "causal": ("True", "False")}
+MAX_SIZE = 1 << 24  # one dimension of a measured kernel: a GEMM side, a sequence, rows
+MAX_US = 1e7  # ten seconds: no kernel of a training step runs longer
+MIN_ROWS = 4  # kernel times per family: a fit from fewer (half of them held out) is no fit
 
 
 @dataclass(frozen=True)
@@ -50,28 +54,61 @@ class Sample:
 
 
 def read_rows(path: Path) -> list[dict]:
-    """The rows of one kernel CSV, checked: every documented column present, numbers numeric."""
+    """The rows of one kernel CSV, each field checked: sizes whole and positive, times finite and positive,
+    dtypes, layouts and flags among those the benchmarks write; one line naming the file, line and column."""
     try:
-        with open(path, newline="") as f:
+        with open(path, newline="", encoding="utf-8") as f:
             reader = csv.DictReader(f)
             header = reader.fieldnames or []
             missing = [c for c in COLUMNS[path.name] if c not in header]
             if missing:
                 raise UserError(f"{path}: missing column '{missing[0]}'; the columns are {', '.join(COLUMNS[path.name])}")
             rows = list(reader)
+    except UnicodeDecodeError:
+        raise UserError(f"{path}: not UTF-8 text; pass the CSV that calibrate --on cuda or the benchmark wrote") from None
+    except csv.Error as exc:
+        raise UserError(f"{path}: not a CSV file ({exc})") from None
     except OSError as exc:
         raise UserError(f"{path}: cannot read it ({exc.strerror})") from None
     for number, row in enumerate(rows, start=2):
         for column in COLUMNS[path.name]:
-            value = row.get(column) or ""
-            if column in NUMERIC and not (column.endswith("us") and _is_error(row)):
-                try:
-                    if not math.isfinite(float(value)):
-                        raise ValueError
-                except ValueError:
-                    raise UserError(f"{path}:{number}: column '{column}' is {value!r}, not a finite number") from None
+            problem = _field_problem(column, row.get(column), _is_error(row))
+            if problem:
+                raise UserError(f"{path}:{number}: column '{column}' is {str(row.get(column))[:40]!r}, {problem}")
+        if path.name == "sdpa.csv" and not _is_error(row) and int(row["heads"]) % int(row["kv_heads"]):
+            raise UserError(f"{path}:{number}: {row['heads']} heads do not share {row['kv_heads']} key/value heads "
+                            "evenly; a measured attention has heads a multiple of kv_heads")
         row["_line"] = number
     return rows
+
+
+def _field_problem(column: str, value, failed: bool) -> str | None:
+    """Why a CSV field is not what the benchmarks write, or None."""
+    value = (value or "").strip()
+    if column in SIZES:
+        if not value.isdigit() or not 1 <= int(value) <= MAX_SIZE:
+            return f"not a whole size from 1 to {MAX_SIZE:,}"
+    elif column in TIMES and not failed:
+        try:
+            number = float(value)
+        except ValueError:
+            number = math.nan
+        if not (math.isfinite(number) and 0 < number <= MAX_US):
+            return f"not a time in µs (above 0, at most {MAX_US:.0e})"
+    elif column in CHOICES and value not in CHOICES[column]:
+        return f"not one of {', '.join(CHOICES[column])}"
+    elif column == "dropout":
+        try:
+            number = float(value)
+        except ValueError:
+            number = math.nan
+        if not 0 <= number < 1:
+            return "not a dropout probability (0 to below 1)"
+    elif column == "mask" and value not in ("none", "bool_causal") and not value.startswith("sliding"):
+        return "not a mask the benchmarks use (none, bool_causal, sliding<window>)"
+    elif column == "op" and value not in VECTOR_OPS:
+        return f"not an op of vector.csv ({', '.join(VECTOR_OPS)})"
+    return None
 
 
 def _is_error(row: dict) -> bool:
@@ -274,6 +311,14 @@ def fitted_profile(data_dir: Path, base: DeviceProfile, name: str, description: 
         raise UserError(f"device profile '{base.name}' is not a GPU profile (no sm_count): fit a GPU's kernels "
                         "onto the datasheet profile of that GPU, e.g. --like h100-sxm")
     measured = samples(data_dir, target_of(base))
+    if not measured:
+        raise UserError(f"{data_dir}: its CSVs hold no measured kernel time (headers only?); measure with "
+                        "'fxworkload calibrate --on cuda' on the GPU")
+    for family, name in (("gemm", "gemm.csv"), ("sdpa", "sdpa.csv"), ("vector", "vector.csv")):
+        count = sum(s.family == family for s in measured)
+        if 0 < count < MIN_ROWS:  # a family with none keeps the starting profile's parameters
+            raise UserError(f"{data_dir / name}: {count} measured kernel time{'s' if count != 1 else ''}; a fit "
+                            f"needs at least {MIN_ROWS} per file (half are held out to check it), or none")
     fitted = with_model(base, fit(measured, base))
     order = list(range(len(measured)))
     random.Random(HOLDOUT_SEED).shuffle(order)

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import UserError
+from ..inputs import read_input
 
 FIELDS = ("stage_id", "batch_id", "mg_state", "duration", "description", "group_kind", "input__shape",
           "input__dtype", "timestamp", "sub_operations")
@@ -34,6 +35,8 @@ DTYPE_BYTES = {"torch.float32": 4, "torch.float": 4, "torch.bfloat16": 2, "torch
                "torch.int8": 1, "torch.float8_e4m3fn": 1, "torch.float8_e5m2": 1}
 DTYPE_NAMES = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16": "fp16"}
 PIPELINE_OPS = ("send_forward", "recv_forward", "send_backward", "recv_backward")
+MAX_LITERAL_CHARS = 1 << 20  # a line's shape or sub-operation list: real ones are a few hundred characters
+MAX_FIGURE = 1e13  # ms, ids and counts: a year is 3e10 ms
 
 
 @dataclass(frozen=True)
@@ -70,10 +73,8 @@ class Record:
 
 def parse(path: Path) -> list[Record]:
     try:
-        text = path.read_text()
-    except FileNotFoundError:
-        raise UserError(f"{path}: no such file") from None
-    except (OSError, UnicodeDecodeError) as exc:
+        text = read_input(path, "a Megatron timing log (lines 'rank:R:OP(…)')").decode("utf-8")
+    except UnicodeDecodeError as exc:
         raise UserError(f"{path}: cannot read it as a text log ({exc})") from None
     records = []
     for number, line in enumerate(text.splitlines(), start=1):
@@ -122,8 +123,8 @@ def _fields(body: str, keys: tuple[str, ...], where: str, required: tuple[str, .
 
 def _literal(text: str, where: str, what: str) -> list:
     try:
-        value = ast.literal_eval(text)
-    except (ValueError, SyntaxError):
+        value = ast.literal_eval(text) if len(text) <= MAX_LITERAL_CHARS else None
+    except (ValueError, SyntaxError, TypeError, RecursionError, MemoryError):
         raise UserError(f"{where}: {what} is not a list ({text[:40]!r})") from None
     if not isinstance(value, list):
         raise UserError(f"{where}: {what} is not a list ({text[:40]!r})")
@@ -134,7 +135,7 @@ def _shape(text: str | None, where: str) -> tuple[int, ...] | None:
     if text is None or text == "None":
         return None
     value = _literal(text, where, "input__shape")
-    if not all(isinstance(d, int) and d >= 0 for d in value):
+    if not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= 1 << 40 for d in value):
         raise UserError(f"{where}: input__shape {text!r} is not a list of sizes")
     return tuple(value)
 
@@ -144,8 +145,8 @@ def _number(text: str, where: str) -> float:
         value = float(text)
     except ValueError:
         raise UserError(f"{where}: {text!r} is not a number") from None
-    if not math.isfinite(value) or value < 0:
-        raise UserError(f"{where}: {text!r} is not a time or count (finite, 0 or more)")
+    if not math.isfinite(value) or not 0 <= value <= MAX_FIGURE:
+        raise UserError(f"{where}: {text[:40]!r} is not a time or count (0 to {MAX_FIGURE:.0e})")
     return value
 
 

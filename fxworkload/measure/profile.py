@@ -139,8 +139,31 @@ def profile(model: str, batch: int = 1, seq: int | None = None, dtype: str = "fp
     seq = step_seq(spec, seq)
     say = (lambda text: print(text, file=sys.stderr, flush=True)) if progress else (lambda text: None)
 
-    source = "its checkpoint weights" if models.has_weights(spec) else f"random weights (seed {SEED})"
     check_memory(spec, DTYPES[dtype], device, batch * seq)
+    try:
+        return _measure(spec, batch, seq, dtype, device, repeat, warmup, say, timer)
+    except (MemoryError, torch.OutOfMemoryError):
+        raise OutOfMemory(spec, batch, seq, dtype, device) from None
+    except RuntimeError as exc:
+        if "out of memory" in str(exc) or "can't allocate memory" in str(exc):
+            raise OutOfMemory(spec, batch, seq, dtype, device) from None
+        raise
+
+
+class OutOfMemory(UserError):
+    """The step did not fit in the device's memory; the CLI adds what it needs (extract's figure)."""
+
+    def __init__(self, spec, batch: int, seq: int, dtype: str, device: torch.device):
+        free = _available_bytes(device)
+        self.batch, self.seq, self.dtype = batch, seq, dtype
+        super().__init__(f"profiling {spec.name} (batch {batch}, seq {seq}, {dtype}) ran out of memory on {device}"
+                         f"{f' ({free / 2 ** 30:.1f} GiB free)' if free else ''}; use a smaller --batch or --seq, or "
+                         "'fxworkload extract', which needs no memory for the model")
+
+
+def _measure(spec, batch: int, seq: int, dtype: str, device: torch.device, repeat: int, warmup: int, say,
+             timer: str) -> Measurement:
+    source = "its checkpoint weights" if models.has_weights(spec) else f"random weights (seed {SEED})"
     module = models.build_real_model(spec, DTYPES[dtype], device, seed=SEED)
     say(f"loaded {spec.name} with {source} on {device} ({dtype})")
     say(f"capturing one training step (batch {batch}, seq {seq})...")

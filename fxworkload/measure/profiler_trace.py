@@ -33,6 +33,7 @@ import json
 import logging
 import os
 import statistics
+import tempfile
 import warnings
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -42,6 +43,7 @@ import numpy as np
 
 from ..capture.trace import FORWARD, INPUT_GRAD, PHASES, WEIGHT_GRAD
 from ..errors import UserError
+from ..inputs import finite_number, load_json, read_input, whole_number
 
 BACKWARD_ROOT = "autograd::engine::evaluate_function: "
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
@@ -148,9 +150,25 @@ def _hta_frame(path: Path):
     available = ParserConfig.get_all_available_args()
     config.add_args([available[key] for key in ("cpu_op::sequence_number", "cpu_op::fwd_thread")])
     _check_readable(path)
+    with contextlib.ExitStack() as stack:
+        readable = _regular_file(path, stack)
+        return _parse(path, readable, config, Trace, CallGraph)
+
+
+def _regular_file(path: Path, stack: contextlib.ExitStack) -> Path:
+    """HTA reads the trace from a path: a pipe, already read once, is handed over as a temporary copy."""
+    if path.is_file():
+        return path.resolve()
+    folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="fxworkload-trace-")))
+    copy = folder / "trace.json"
+    copy.write_bytes(read_input(path, WHAT))
+    return copy
+
+
+def _parse(path: Path, readable: Path, config, Trace, CallGraph):
     try:
         with _quiet_hta(), open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink):
-            trace = Trace(trace_files={0: str(path.resolve())}, trace_dir=str(path.resolve().parent),
+            trace = Trace(trace_files={0: str(readable)}, trace_dir=str(readable.parent),
                           parser_config=config)
             trace.parse_traces(use_multiprocessing=False)
             trace.decode_symbol_ids(use_shorten_name=False)
@@ -173,21 +191,49 @@ def _hta_frame(path: Path):
     return frame, ", ".join(names) or "CPU"
 
 
-def _check_readable(path: Path) -> None:
-    """Fail on an empty, truncated or foreign file with one line, before HTA sees it."""
-    try:
-        raw = path.read_bytes()
-        text = gzip.decompress(raw).decode() if raw[:2] == b"\x1f\x8b" else raw.decode()
-        document = json.loads(text)
-    except FileNotFoundError:
-        raise UserError(f"{path}: no such file") from None
-    except (OSError, EOFError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise UserError(f"{path}: not a complete JSON profiler trace ({exc}); a truncated or partly "
-                        "written file? export it again with export_chrome_trace") from None
+WHAT = "the JSON trace torch.profiler's export_chrome_trace wrote (.json or .json.gz)"
+MAX_EVENT_US = 86_400e6  # one day: no op or kernel of a training step runs longer
+MAX_TS_US = 1e17  # Kineto's timestamps are µs since an epoch (~1.7e15 now)
+
+
+def _check_readable(path: Path) -> dict:
+    """The trace's JSON, every field we and HTA read checked, before HTA sees it: one line naming the
+    file, the event and the field otherwise."""
+    document = load_json(path, WHAT)
     events = document.get("traceEvents") if isinstance(document, dict) else None
     if not isinstance(events, list) or not any(isinstance(e, dict) and e.get("cat") == "cpu_op" for e in events):
         raise UserError(f"{path}: a JSON file with no profiler ops ('traceEvents' with cpu_op events); "
                         "profile with torch.profiler and export_chrome_trace")
+    for number, event in enumerate(events):
+        problem = _event_problem(event)
+        if problem:
+            name = event.get("name") if isinstance(event, dict) and isinstance(event.get("name"), str) else "?"
+            raise UserError(f"{path}: traceEvents[{number}] ({name[:60]!r}): {problem}; pass {WHAT}, unedited")
+    return document
+
+
+def _event_problem(event) -> str | None:
+    """The first field of an op or kernel event that is missing or not what Kineto writes."""
+    if not isinstance(event, dict):
+        return "not an object"
+    if event.get("cat") not in CPU_CATEGORIES + GPU_CATEGORIES:
+        return None  # metadata, flows, counters: not read
+    if not isinstance(event.get("name"), str):
+        return f"'name' is {event.get('name')!r}, not an op name"
+    for key, high in (("ts", MAX_TS_US), ("dur", MAX_EVENT_US)):
+        if not finite_number(event.get(key), -MAX_TS_US if key == "ts" else 0.0, high):
+            return f"'{key}' is {event.get(key)!r}, not a time in µs ({'0 to ' if key == 'dur' else ''}{high:.3g})"
+    for key in ("pid", "tid"):
+        value = event.get(key)
+        if not whole_number(value, -(1 << 62)) and not (isinstance(value, str) and value.lstrip("-").isdigit()):
+            return f"'{key}' is {value!r}, not an integer id"
+    args = event.get("args", {})
+    if not isinstance(args, dict):
+        return "'args' is not an object"
+    for key in ("Sequence number", "External id", "correlation", "Fwd thread id"):
+        if key in args and not whole_number(args[key], -(1 << 62)):
+            return f"args '{key}' is {args[key]!r}, not an integer"
+    return None
 
 
 def _tensor_shapes(dims, types) -> list | None:

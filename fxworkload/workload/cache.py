@@ -63,8 +63,8 @@ def load(cache_key: str) -> CachedStep | None:
     try:
         with open(path_of(cache_key), "rb") as f:
             entry = pickle.load(f)
-    except (OSError, pickle.UnpicklingError, EOFError, AttributeError, ImportError, TypeError):
-        return None  # absent, or written by another layout of this package: capture again
+    except Exception:  # absent, damaged, another pickle protocol or package layout: it is a cache, capture again
+        return None
     return entry if isinstance(entry, CachedStep) else None
 
 

@@ -24,10 +24,11 @@ NEW = {"workload.tsv": "new table\n" * 1000, "workload.json": '{"new": 2}\n'}
 DRIVER = textwrap.dedent("""
     import json, os, shutil, signal, sys
     from pathlib import Path
-    from fxworkload.errors import Terminated, raise_terminated
+    from fxworkload.errors import Terminated, on_signal
     from fxworkload.formats import files
 
-    signal.signal(signal.SIGTERM, raise_terminated)  # as the CLI's main does
+    signal.signal(signal.SIGTERM, on_signal)  # as the CLI's main does
+    signal.signal(signal.SIGINT, on_signal)
     out, contents, kill_at, signum = Path(sys.argv[1]), json.loads(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
     step = 0
 
