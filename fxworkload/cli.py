@@ -165,6 +165,9 @@ def _add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
                        help="recompute only the first N layers of each pipeline stage (default: all)")
     group.add_argument("--vpp", type=int, default=1,
                        help="virtual pipeline stages per device: Megatron's interleaved 1F1B schedule (default 1)")
+    group.add_argument("--keep-gathered", action="store_true",
+                       help="with --zero 3: keep each unit's gathered parameters from forward to backward (FSDP2's "
+                            "reshard_after_forward=False; default: free them and gather again, as FSDP and ZeRO-3 do)")
 
 
 def _parallel(args):
@@ -177,7 +180,8 @@ def _parallel(args):
     return Parallel(dp=args.dp, tp=args.tp, pp=args.pp, ep=args.ep, sp=args.sp, micro_batches=args.micro_batches,
                     zero=args.zero, bucket_mb=args.bucket_mb, pp_layers=pp_layers, stage=args.stage,
                     vocab_multiple=args.vocab_multiple, recompute=args.recompute,
-                    recompute_layers=args.recompute_layers, vpp=args.vpp)
+                    recompute_layers=args.recompute_layers, vpp=args.vpp,
+                    reshard_after_forward=not args.keep_gathered)
 
 
 def _formats(text: str) -> list[str]:

@@ -115,6 +115,7 @@ def evaluate_shape(model: str, shape: Shape, layouts: list, seq: int, dtype: str
                      "step_ms": step.step_ns / 1e6, "mfu": step.mfu, "hfu": step.hfu,
                      "tflops_per_gpu": step.tflops_per_gpu, "tokens_per_s_per_gpu": step.tokens_per_s_per_gpu,
                      "bubble": step.bubble_fraction, "peak_bytes": peak,
+                     "exposed_gather_ms": step.exposed_ns["zero3_gather"] / 1e6,
                      "fits": peak <= profile.memory_capacity_bytes if profile.memory_capacity_bytes else None})
     return rows
 

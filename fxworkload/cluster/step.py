@@ -24,15 +24,16 @@ from dataclasses import dataclass, field, replace
 from ..capture.trace import FORWARD, INPUT_GRAD, WEIGHT_GRAD
 from ..cost.devices import DeviceProfile
 from ..dtypes import DTYPES
-from ..parallel.collectives import ALLGATHER
+from ..parallel.collectives import ALLGATHER, REDUCESCATTER
 from ..parallel.facts import ModelFacts
 from ..parallel.layout import Parallel
 from ..parallel.memory import ADAM_BYTES_PER_PARAMETER
 from ..parallel.rank import device_chunks, model_chunks, split_once
-from ..parallel.units import Unit
+from ..parallel.units import Comm, Unit, is_expert
 from ..workload.table import Workload
 from .network import comm_ns, p2p_ns
 from .schedule import BACKWARD, Pass, timelines
+from .zero3 import Group, compute_share_lost, simulate_pass
 
 # Adam touches per parameter: the fp32 master copy and both moments, read and written (2 x 12 bytes
 # in mixed precision, 2 x 8 in fp32), the gradient read and the parameter written in its own dtype.
@@ -50,6 +51,7 @@ class DeviceSummary:
     zero_gather_ns: float  # ZeRO 1/2: the updated parameters' gathers after the optimizer
     end_ns: float
     zero3_gather_ns: tuple[float, float] = (0.0, 0.0)  # ZeRO 3: one forward and one backward pass's gathers
+    zero3_exposed_gather_ns: float = 0.0  # ZeRO 3: compute waiting for parameters, every pass of the step
 
 
 @dataclass
@@ -125,13 +127,21 @@ def cluster_step(facts: ModelFacts, workload: Workload, model_workload: Workload
         comm.append(_blocking_comm(forward_passes + backward_passes))
         flops.append((_flops(captured_chunks), _flops(chunks)))
         layouts.append((chunks, with_dp))
-    zero3 = [(0.0, 0.0)] * p.pp
-    if p.zero == 3:  # the gathers run beside each pass; what a pass cannot hide lengthens it
+    zero3 = [(0.0, 0.0)] * p.pp  # per device: one forward and one backward pass's gather time
+    zero3_exposed, zero3_trailing = [0.0] * p.pp, [0.0] * p.pp
+    if p.zero == 3:  # gathers and reduce-scatters per FSDP unit on a stream beside the compute (zero3.py)
+        itemsizes = DTYPES[dtype].itemsize, DTYPES[grad_dtype].itemsize
+        share = compute_share_lost(device.sm_count)
         for d in range(p.pp):
-            gather_f, gather_b = (ns / p.vpp for ns in _zero3_gather_ns(layouts[d][1], p, device))
-            zero3[d] = (gather_f, gather_b)
-            forward[d] = [max(f, gather_f) for f in forward[d]]
-            backward[d] = [max(b, gather_b) for b in backward[d]]
+            groups = [(_zero3_groups(c, FORWARD, p, device, *itemsizes), _zero3_groups(c, INPUT_GRAD, p, device, *itemsizes))
+                      for c in layouts[d][0]]
+            timelines_f = [simulate_pass(f, share) for f, _ in groups]
+            timelines_b = [simulate_pass(b, share) for _, b in groups]
+            forward[d] = [t.duration_ns for t in timelines_f]
+            backward[d] = [t.duration_ns for t in timelines_b]
+            zero3[d] = tuple(sum(g.gather_ns for g in groups[0][k]) for k in (0, 1))
+            zero3_exposed[d] = p.micro_batches * sum(t.exposed_gather_ns for t in timelines_f + timelines_b)
+            zero3_trailing[d] = timelines_b[0].trailing_ns  # the step's last backward is chunk 0's
     boundary = micro_batch * seq * facts.hidden * DTYPES[dtype].itemsize // (p.tp if p.sp else 1)
     transfer = p2p_ns(boundary, p, device)
     passes = timelines(p.pp, p.vpp, p.micro_batches, forward, backward, transfer)
@@ -139,7 +149,11 @@ def cluster_step(facts: ModelFacts, workload: Workload, model_workload: Workload
     for d in range(p.pp):
         mine = passes[d]
         pipeline_end = mine[-1][4]
-        dp_end, dp_spans = _data_parallel(layouts[d], mine, p, device)
+        if p.zero == 3:  # the buckets' reduce-scatters ran per unit in each backward; the last one spills over
+            dp_end = pipeline_end + zero3_trailing[d]
+            dp_spans = [("ZeRO 3 last reduce-scatter", pipeline_end, dp_end, 0)] if zero3_trailing[d] else []
+        else:
+            dp_end, dp_spans = _data_parallel(layouts[d], mine, p, device)
         spans += [(d, *span) for span in dp_spans]
         optimizer = _optimizer_ns(layouts[d][0], p, dtype, grad_dtype, device)
         gather = sum(comm_ns(c, p, device) for u in layouts[d][1] if u.block == "dp" for c in u.comms[WEIGHT_GRAD]
@@ -149,7 +163,7 @@ def cluster_step(facts: ModelFacts, workload: Workload, model_workload: Workload
         devices.append(DeviceSummary(device=d, compute_ns=compute, blocking_comm_ns=comm[d],
                                      pipeline_end_ns=pipeline_end, data_parallel_end_ns=dp_end,
                                      optimizer_ns=optimizer, zero_gather_ns=gather, end_ns=end,
-                                     zero3_gather_ns=zero3[d]))
+                                     zero3_gather_ns=zero3[d], zero3_exposed_gather_ns=zero3_exposed[d]))
     slowest = max(devices, key=lambda x: x.end_ns)
     busiest = max(devices, key=lambda x: x.compute_ns)
     pipeline_ns = max(x.pipeline_end_ns for x in devices)
@@ -157,7 +171,8 @@ def cluster_step(facts: ModelFacts, workload: Workload, model_workload: Workload
     exposed = {"tp": slowest.blocking_comm_ns["tp"] * micro, "ep": slowest.blocking_comm_ns["ep"] * micro,
                "pp_bubble": pipeline_ns - busiest.compute_ns,
                "dp": max(slowest.data_parallel_end_ns - slowest.pipeline_end_ns, 0.0),
-               "zero_gather": slowest.zero_gather_ns, "optimizer": slowest.optimizer_ns}
+               "zero_gather": slowest.zero_gather_ns, "zero3_gather": slowest.zero3_exposed_gather_ns,
+               "optimizer": slowest.optimizer_ns}
     ranks_per_stage = p.tp * p.dp
     model_flops = sum(f[0] for f in flops) * micro * ranks_per_stage
     hardware_flops = sum(f[1] for f in flops) * micro * ranks_per_stage
@@ -218,12 +233,29 @@ def _data_parallel(layout, mine: list[tuple], p: Parallel, device: DeviceProfile
     return max(free, mine[-1][4]), spans
 
 
-def _zero3_gather_ns(with_dp: list[Unit], p: Parallel, device: DeviceProfile) -> tuple[float, float]:
-    forward = sum(comm_ns(c, p, device) for u in with_dp if u.block == "dp" and u.name.endswith("_forward")
-                  for c in u.comms[WEIGHT_GRAD])
-    backward = sum(comm_ns(c, p, device) for u in with_dp if u.block == "dp" and u.name.endswith("_backward")
-                   for c in u.comms[WEIGHT_GRAD])
-    return forward, backward
+def _zero3_groups(units: list[Unit], phase: str, p: Parallel, device: DeviceProfile, param_itemsize: int,
+                  grad_itemsize: int) -> list[Group]:
+    """A chunk's FSDP units (decoder layers; the embedding and the head each one) in the order the pass
+    runs them: compute with its blocking collectives, parameter gather, gradient reduce-scatter."""
+    layers: dict = {}
+    for u in units:
+        layers.setdefault(u.layer if u.layer is not None else u.name, []).append(u)
+    groups = []
+    for members in layers.values():
+        phases = (FORWARD,) if phase == FORWARD else (INPUT_GRAD, WEIGHT_GRAD)
+        compute = sum(u.costs[ph][0] for u in members for ph in phases) + sum(
+            comm_ns(c, p, device) for u in members for c in u.comms[phase])
+        shards = {"dp": 0, "dp_ep": 0}
+        for g in (g for u in members for g in u.grads):
+            shards["dp_ep" if is_expert(g.module) and p.ep > 1 else "dp"] += g.elements
+        gather = sum(comm_ns(Comm(ALLGATHER, group, n * param_itemsize, "parameters"), p, device)
+                     for group, n in shards.items())
+        if phase != FORWARD and not p.reshard_after_forward:
+            gather = 0.0  # FSDP2 reshard_after_forward=False: the forward's gathered parameters stay
+        scatter = 0.0 if phase == FORWARD else sum(
+            comm_ns(Comm(REDUCESCATTER, group, n * grad_itemsize, "gradients"), p, device) for group, n in shards.items())
+        groups.append(Group(compute_ns=compute, gather_ns=gather, reduce_scatter_ns=scatter))
+    return groups if phase == FORWARD else groups[::-1]
 
 
 def _optimizer_ns(chunks: list[list[Unit]], p: Parallel, dtype: str, grad_dtype: str, device: DeviceProfile) -> float:

@@ -173,7 +173,7 @@ def cluster_summary_text(cluster) -> str:
              ["pipeline bubble (busiest stage idle)", f"{100 * cluster.bubble_fraction:.1f}%"],
              ["exposed ms: tp / ep collectives (blocking)", f"{exposed['tp'] / 1e6:.3f} / {exposed['ep'] / 1e6:.3f}"],
              ["exposed ms: dp gradient reduction / ZeRO parameter gather",
-              f"{exposed['dp'] / 1e6:.3f} / {exposed['zero_gather'] / 1e6:.3f}"],
+              f"{exposed['dp'] / 1e6:.3f} / {(exposed['zero_gather'] + exposed['zero3_gather']) / 1e6:.3f}"],
              ["optimizer step ms (Adam, memory-bound)", f"{exposed['optimizer'] / 1e6:.3f}"],
              ["MFU / HFU (model / hardware FLOPs over the dense peak)",
               f"{100 * cluster.mfu:.1f}% / {100 * cluster.hfu:.1f}%"],
@@ -260,13 +260,15 @@ def plan_text(result: dict, top: int = 10) -> str:
     rows = [[i + 1, r["tp"], r["pp"], r["vpp"], r["dp"], r["ep"], "on" if r["sp"] else "off", r["zero"], r["recompute"],
              r["micro_batch"], r["micro_batches"], f"{r['step_ms']:.1f}", f"{100 * r['mfu']:.1f}%",
              f"{r['tflops_per_gpu']:.0f}", f"{r['tokens_per_s_per_gpu']:,.0f}", f"{100 * r['bubble']:.1f}%",
+             f"{r['exposed_gather_ms']:.1f}" if r["zero"] == 3 else "-",
              f"{r['peak_bytes'] / 2 ** 30:.1f}"] for i, r in enumerate(ranked)]
     head = (f"{result['model']} on {result['gpus']} x {result['device']}, global batch {result['global_batch']} x seq "
             f"{result['seq']}, {result['dtype']}: {result['evaluated']:,} layouts evaluated from {result['shapes']} "
             f"captured rank shapes, {len(result['ranked']):,} fit")
     dropped = "\n".join(f"dropped: {count:,} {why}" for why, count in result["dropped"].items() if count)
     table = tabulate(rows, headers=["#", "tp", "pp", "vpp", "dp", "ep", "sp", "zero", "recompute", "mbs", "mb",
-                                    "step_ms", "mfu", "tflops", "tok/s/gpu", "bubble", "peak_gib"], tablefmt="simple")
+                                    "step_ms", "mfu", "tflops", "tok/s/gpu", "bubble", "zero3_gather_ms", "peak_gib"],
+                     tablefmt="simple")
     return "\n\n".join([head, table if rows else "no layout fits in memory", dropped]) + "\n"
 
 

@@ -24,6 +24,7 @@ class Parallel:
     recompute: str = "none"  # activation recomputation: none, selective (attention core) or full (whole layers)
     recompute_layers: int | None = None  # recompute the first N layers of each stage; None = all
     vpp: int = 1  # virtual pipeline stages (model chunks) per device: Megatron's interleaved 1F1B schedule
+    reshard_after_forward: bool = True  # ZeRO 3 / FSDP: free gathered parameters after forward (gather again in backward)
 
     @property
     def world(self) -> int:
@@ -59,6 +60,8 @@ def check_values(parallel: Parallel) -> None:
     if not isinstance(p.bucket_mb, (int, float)) or not 0 <= p.bucket_mb <= MAX_BUCKET_MB:  # NaN fails too
         raise UserError(f"--bucket-mb must be 0 (one collective per parameter group) or a size up to "
                         f"{MAX_BUCKET_MB:,} MiB, got {p.bucket_mb}")
+    if not p.reshard_after_forward and p.zero != 3:
+        raise UserError("--keep-gathered keeps ZeRO 3's gathered parameters: it needs --zero 3")
     if p.recompute not in RECOMPUTE_MODES:
         raise UserError(f"unknown --recompute {p.recompute!r}: use none, selective or full")
     if p.recompute_layers is not None and p.recompute == "none":

@@ -1,0 +1,80 @@
+"""ZeRO-3 / FSDP as they run: a pass of one micro-batch on two streams of a rank, compute and communication.
+
+Parameters are sharded over the data-parallel group and gathered per FSDP unit (a decoder layer, as
+FSDP's transformer wrap policy and DeepSpeed's ZeRO-3 fetch them; the embedding and the head each
+one unit) just before the unit runs, and freed after it (``reshard_after_forward``, FSDP's default
+and ZeRO-3's), so backward gathers them again; FSDP2's ``reshard_after_forward=False`` keeps them
+from forward to backward. What the communication stream runs, in the order it is issued:
+
+- forward: unit 1's gather, then each unit's successor's gather as that unit starts computing
+  (prefetch of one: FSDP's ``forward_prefetch`` / ``limit_all_gathers``);
+- backward, units in reverse: the same prefetch of the next unit's gather when a unit starts, and
+  the unit's gradient reduce-scatter when its backward ends (``BACKWARD_PRE`` prefetch).
+
+A unit computes once its parameters are in and the previous unit is done, so a gather longer than
+the unit before it, and the first gather of every pass, are exposed. While a collective runs beside
+it, compute is slowed by the share of the GPU's SMs that NCCL's kernels hold (one CTA per channel,
+``NCCL_CHANNELS`` of ``sm_count``). The reduce-scatter that ends a pass spills into what follows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# NCCL runs one CTA per channel on its own SM; on NVLink-connected H100s it reports 16 collective
+# channels ("16 coll channels" in NCCL_DEBUG=INFO logs of DGX H100 all-gathers and reduce-scatters).
+# Assumed for every GPU: compute beside a collective keeps (sm_count - 16) / sm_count of its SMs.
+NCCL_CHANNELS = 16
+
+
+@dataclass(frozen=True)
+class Group:
+    """One FSDP unit of a pass: its compute (with its blocking tensor-parallel collectives), the gather
+    of its parameters and the reduce-scatter of its gradients (0 in forward)."""
+    compute_ns: float
+    gather_ns: float
+    reduce_scatter_ns: float = 0.0
+
+
+@dataclass(frozen=True)
+class PassTimeline:
+    duration_ns: float  # the compute stream's end
+    exposed_gather_ns: float  # compute waiting for parameters
+    trailing_ns: float  # communication still running when the compute ends (the last reduce-scatter)
+    slowdown_ns: float  # compute lost to the SMs NCCL's kernels held
+
+
+def compute_share_lost(sm_count: int | None) -> float:
+    return NCCL_CHANNELS / sm_count if sm_count else 0.0
+
+
+def simulate_pass(groups: list[Group], share_lost: float) -> PassTimeline:
+    """``groups`` in the order the pass runs them (forward order, or reversed for backward)."""
+    stream: list[tuple[float, float]] = []  # (start, end) of each collective, in issue order
+    free = 0.0
+
+    def issue(at: float, duration: float) -> float:
+        nonlocal free
+        if duration <= 0:
+            return at
+        start = max(free, at)
+        free = start + duration
+        stream.append((start, free))
+        return free
+
+    ready = [0.0] * len(groups)  # when each unit's parameters are in
+    if groups:
+        ready[0] = issue(0.0, groups[0].gather_ns)
+    end = exposed = slowdown = 0.0
+    for i, group in enumerate(groups):
+        start = max(end, ready[i])
+        exposed += start - end
+        if i + 1 < len(groups):
+            ready[i + 1] = issue(start, groups[i + 1].gather_ns)
+        busy = sum(max(0.0, min(e, start + group.compute_ns) - max(s, start)) for s, e in stream)
+        lost = share_lost * busy
+        end = start + group.compute_ns + lost
+        slowdown += lost
+        issue(end, group.reduce_scatter_ns)
+    return PassTimeline(duration_ns=end, exposed_gather_ns=exposed, trailing_ns=max(0.0, free - end),
+                        slowdown_ns=slowdown)

@@ -1,0 +1,56 @@
+"""ZeRO-3 / FSDP on two streams (cluster/zero3.py), against timelines computed by hand."""
+
+from __future__ import annotations
+
+import pytest
+
+from fxworkload.cluster.zero3 import NCCL_CHANNELS, Group, compute_share_lost, simulate_pass
+from fxworkload.parallel.layout import Parallel
+from fxworkload.pipeline import extract
+
+
+def test_a_gather_longer_than_the_layer_before_it_is_exposed():
+    """Two layers, compute 10 and 10, gathers 4 and 15 (no compute slowdown). By hand:
+    gather 1 runs 0-4 (exposed: 4); layer 1 computes 4-14 while gather 2 runs 4-19; layer 2 waits
+    until 19 (exposed: 5) and ends at 29."""
+    timeline = simulate_pass([Group(10, 4), Group(10, 15)], share_lost=0.0)
+    assert timeline.duration_ns == 29 and timeline.exposed_gather_ns == 4 + 5 and timeline.trailing_ns == 0
+
+
+def test_a_gather_shorter_than_the_layer_before_it_hides():
+    """Gathers 4 and 6 behind compute 10 and 10: only the first gather shows, the step is 4 + 10 + 10."""
+    timeline = simulate_pass([Group(10, 4), Group(10, 6)], share_lost=0.0)
+    assert timeline.duration_ns == 24 and timeline.exposed_gather_ns == 4
+
+
+def test_backward_reduce_scatters_queue_behind_the_prefetched_gather():
+    """Backward of two layers (reversed order already): compute 10, 10; gathers 4, 6; reduce-scatters
+    3, 3. By hand: gather A 0-4; A computes 4-14, gather B (prefetched at 4) runs 4-10; A's
+    reduce-scatter, issued at 14, runs 14-17; B computes 14-24 (its gather was done at 10); B's
+    reduce-scatter runs 24-27: 3 ns still running when the compute ends."""
+    timeline = simulate_pass([Group(10, 4, 3), Group(10, 6, 3)], share_lost=0.0)
+    assert timeline.duration_ns == 24 and timeline.exposed_gather_ns == 4 and timeline.trailing_ns == 3
+
+
+def test_compute_beside_a_collective_loses_ncclss_share_of_the_sms():
+    """H100 SXM: 132 SMs, 16 of them NCCL's: compute overlapped by a collective runs at 116/132. Layer 1
+    (compute 100) runs beside gather 2 (50 ns): it loses 50 x 16/132 ns."""
+    share = compute_share_lost(132)
+    assert share == pytest.approx(NCCL_CHANNELS / 132)
+    timeline = simulate_pass([Group(100, 0), Group(100, 50)], share_lost=share)
+    assert timeline.slowdown_ns == pytest.approx(50 * 16 / 132)
+    assert timeline.duration_ns == pytest.approx(200 + 50 * 16 / 132)
+
+
+def test_the_cluster_step_runs_each_pass_on_the_two_streams(tiny_dirs):
+    """ZeRO 3 on 8 data-parallel ranks: every pass starts with an exposed gather, so the step is
+    longer than without sharding and the summary reports the exposed gathers; keeping the gathered
+    parameters (FSDP2's reshard_after_forward=False) removes the backward's gathers."""
+    run = dict(batch=1, seq=16, dtype="bf16", device="h100-sxm")
+    plain = extract(str(tiny_dirs["llama4"]), parallel=Parallel(dp=8, zero=1), **run).cluster
+    sharded = extract(str(tiny_dirs["llama4"]), parallel=Parallel(dp=8, zero=3), **run).cluster
+    kept = extract(str(tiny_dirs["llama4"]), parallel=Parallel(dp=8, zero=3, reshard_after_forward=False), **run).cluster
+    assert sharded.exposed_ns["zero3_gather"] > 0 and plain.exposed_ns["zero3_gather"] == 0
+    assert sharded.pipeline_ns > plain.pipeline_ns
+    assert kept.exposed_ns["zero3_gather"] < sharded.exposed_ns["zero3_gather"]
+    assert kept.pipeline_ns < sharded.pipeline_ns
