@@ -14,6 +14,7 @@ that outgrows one machine): each shape is one task.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import multiprocessing
 import os
@@ -25,6 +26,7 @@ from dataclasses import dataclass, replace
 
 from .errors import UserError
 from .limits import MAX_GLOBAL_BATCH, MAX_MICRO_BATCHES, MAX_WORLD, check_count
+from .progress import heartbeat, on_terminal
 
 MICRO_BATCH_SIZES = (1, 2, 4, 8)
 ZERO_STAGES = (0, 1, 2, 3)
@@ -40,11 +42,14 @@ class Shape:
     micro_batch: int
 
 
-def candidate_layouts(gpus: int, global_batch: int, facts, gpus_per_node: int) -> tuple[dict, dict[str, int]]:
-    """Shape -> its layouts (Parallel), and how many combinations each rule turned away."""
+def candidate_layouts(gpus: int, global_batch: int, facts, gpus_per_node: int,
+                      seq: int | None = None) -> tuple[dict, dict[str, int]]:
+    """Shape -> its layouts (Parallel), and how many combinations each rule turned away. With ``seq``,
+    a tp whose sequence parallelism cannot split the sequence is turned away too."""
     from .parallel.layout import Parallel
 
-    dropped = {"tp does not divide the heads or exceeds a node": 0, "global batch does not divide": 0,
+    dropped = {"tp does not divide the heads or exceeds a node": 0,
+               "sequence parallelism: tp does not divide the sequence": 0, "global batch does not divide": 0,
                f"more than {MAX_MICRO_BATCHES:,} micro-batches": 0,
                "virtual stages do not divide the layers or micro-batches": 0}
     groups: dict[Shape, list] = {}
@@ -54,6 +59,9 @@ def candidate_layouts(gpus: int, global_batch: int, facts, gpus_per_node: int) -
             continue
         if tp > gpus_per_node or facts.heads % tp or (facts.kv_heads and facts.kv_heads % tp):
             dropped["tp does not divide the heads or exceeds a node"] += 1
+            continue
+        if seq is not None and tp > 1 and seq % tp:  # plan's layouts run SP whenever tp > 1
+            dropped["sequence parallelism: tp does not divide the sequence"] += 1
             continue
         dp = gpus // (tp * pp)
         vocab_multiple = 1 if facts.vocab % tp == 0 else 128  # pad as Megatron-LM does
@@ -130,7 +138,7 @@ def plan(model: str, gpus: int, global_batch: int, seq: int, device: str = "h100
         raise UserError(f"device '{profile.name}' lacks interconnect or memory figures a plan needs; use a GPU "
                         "profile such as --device h100-sxm")
     facts = _facts(model, dtype)
-    groups, dropped = candidate_layouts(gpus, global_batch, facts, profile.gpus_per_node)
+    groups, dropped = candidate_layouts(gpus, global_batch, facts, profile.gpus_per_node, seq)
     if not groups:
         raise UserError(f"no layout of {gpus} GPUs runs {facts.name} with global batch {global_batch}: tensor "
                         f"parallelism must divide its {facts.heads} heads within a node of {profile.gpus_per_node}, "
@@ -177,9 +185,18 @@ def _run(model, groups, seq, dtype, device, workers, ray_address, progress) -> l
         count = workers or min(len(groups), os.cpu_count() or 1)
         tasks = [(model, shape, layouts, seq, dtype, device) for shape, layouts in groups.items()]
         # Pool.__exit__ terminates the workers: Ctrl-C, SIGTERM (Terminated) or an error here ends them at once
-        with multiprocessing.get_context().Pool(count, initializer=_worker_start) as pool:
+        total = sum(len(v) for v in groups.values())
+        lines = progress and not on_terminal()  # a log gets a line at least every 10 s instead of the bar
+
+        def status() -> str:
+            return f"plan: {len(rows):,} of {total:,} layouts evaluated ({len(done)} of {len(tasks)} rank shapes)"
+
+        done: list = []
+        with multiprocessing.get_context().Pool(count, initializer=_worker_start) as pool, \
+                (heartbeat(status) if lines else contextlib.nullcontext()):
             for part in pool.imap_unordered(_evaluate, tasks):
                 rows += part
+                done.append(part)
                 bar.update(len(part))
     bar.close()
     return rows

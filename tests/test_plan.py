@@ -172,3 +172,11 @@ def test_a_global_batch_needing_more_micro_batches_than_the_limit_drops_those_la
     layouts = [p for group in groups.values() for p in group]
     assert layouts and max(p.micro_batches for p in layouts) <= MAX_MICRO_BATCHES
     assert dropped[f"more than {MAX_MICRO_BATCHES:,} micro-batches"] > 0
+
+
+def test_a_sequence_sp_cannot_split_drops_those_layouts_not_the_plan(four_layers, tmp_path):
+    """Issue 28 §6: a sequence length tp does not divide made plan stop on an option the user never gave
+    (--sp); the layouts with that tp are dropped, the others ranked."""
+    result = plan(four_layers, gpus=2, global_batch=4, seq=15, device="h100-sxm", workers=1)
+    assert result["ranked"] and {r["tp"] for r in result["ranked"]} == {1}
+    assert result["dropped"]["sequence parallelism: tp does not divide the sequence"] > 0

@@ -15,6 +15,7 @@ same inputs with the same random seed (dropout masks included).
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import sys
 from collections import defaultdict
@@ -31,6 +32,7 @@ from ..capture.models import step_seq
 from ..capture.trace import capture_training_step
 from ..dtypes import DTYPES, check_settings
 from ..errors import UserError
+from ..progress import heartbeat
 from ..cost.flops import register_transformers_ops
 from . import kernel_times
 from .timing import Clock, describe, device_for
@@ -137,11 +139,17 @@ def profile(model: str, batch: int = 1, seq: int | None = None, dtype: str = "fp
     device = device_for(on)
     spec = models.resolve(model)
     seq = step_seq(spec, seq)
-    say = (lambda text: print(text, file=sys.stderr, flush=True)) if progress else (lambda text: None)
+    phase = ["loading the model"]
+
+    def say(text: str) -> None:
+        if progress:
+            phase[0] = text.rstrip(".")
+            print(text, file=sys.stderr, flush=True)
 
     check_memory(spec, DTYPES[dtype], device, batch * seq)
-    try:
-        return _measure(spec, batch, seq, dtype, device, repeat, warmup, say, timer)
+    try:  # each phase says when it starts; a long one says it is still running every 10 s
+        with heartbeat(lambda: f"still {phase[0]}") if progress else contextlib.nullcontext():
+            return _measure(spec, batch, seq, dtype, device, repeat, warmup, say, timer)
     except (MemoryError, torch.OutOfMemoryError):
         raise OutOfMemory(spec, batch, seq, dtype, device) from None
     except RuntimeError as exc:

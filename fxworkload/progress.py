@@ -1,0 +1,41 @@
+"""Progress for long work: a bar on a terminal (tqdm, where a command draws one), and where stderr is
+a file or a pipe a line at least every ``EVERY_S`` seconds, so that a log shows the run is alive."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import threading
+import time
+from typing import Callable
+
+EVERY_S = 10.0
+
+
+def say(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def on_terminal() -> bool:
+    return sys.stderr is not None and sys.stderr.isatty()
+
+
+@contextlib.contextmanager
+def heartbeat(what: str | Callable[[], str], every_s: float | None = None, out: Callable[[str], None] = say):
+    """While the block runs, ``out`` a line every ``every_s`` seconds (default EVERY_S): ``what`` (or what
+    it returns) and the seconds so far."""
+    every_s = EVERY_S if every_s is None else every_s
+    stop = threading.Event()
+    started = time.monotonic()
+
+    def beat() -> None:
+        while not stop.wait(every_s):
+            out(f"{what() if callable(what) else what} ({time.monotonic() - started:.0f} s)")
+
+    thread = threading.Thread(target=beat, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()

@@ -1,0 +1,40 @@
+"""Long commands say they are alive: a line at least every EVERY_S seconds on a non-terminal stderr."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import re
+import time
+
+from fxworkload import progress
+from fxworkload.cli import main
+
+
+def test_a_heartbeat_beats_while_the_work_runs_and_stops_with_it():
+    lines = []
+    with progress.heartbeat(lambda: "working", every_s=0.05, out=lines.append):
+        time.sleep(0.32)
+    count = len(lines)
+    time.sleep(0.15)
+    assert 4 <= count <= 7 and len(lines) == count and all(re.fullmatch(r"working \(\d+ s\)", x) for x in lines)
+
+
+def _stderr_of(argv, monkeypatch) -> str:
+    monkeypatch.setattr(progress, "EVERY_S", 0.2)
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        assert main([str(a) for a in argv]) == 0
+    return err.getvalue()
+
+
+def test_plan_reports_its_sweep_to_a_log(tiny_dirs, tmp_path, monkeypatch):
+    err = _stderr_of(["plan", tiny_dirs["llama4"], "--gpus", 4, "--global-batch", 8, "--seq", 16, "--workers", 1,
+                      "--out", tmp_path / "p"], monkeypatch)
+    assert re.search(r"plan: [\d,]+ of [\d,]+ layouts evaluated \(\d+ of \d+ rank shapes\) \(\d+ s\)", err), err
+
+
+def test_profile_says_which_phase_is_still_running(tiny_dirs, tmp_path, monkeypatch):
+    err = _stderr_of(["profile", tiny_dirs["gpt2"], "--seq", 16, "--on", "cpu", "--repeat", 30, "--warmup", 1,
+                      "--out", tmp_path / "m"], monkeypatch)
+    assert re.search(r"still (capturing|checking|timing|loading)[^\n]* \(\d+ s\)", err), err
