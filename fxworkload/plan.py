@@ -192,7 +192,15 @@ def _run(model, groups, seq, dtype, device, workers, ray_address, progress) -> l
             return f"plan: {len(rows):,} of {total:,} layouts evaluated ({len(done)} of {len(tasks)} rank shapes)"
 
         done: list = []
-        with multiprocessing.get_context().Pool(count, initializer=_worker_start) as pool, \
+        # After a SIGKILL of this process, Python's resource tracker (started for the spawn context) frees the
+        # pool's semaphores and warns of each on the caller's stderr: freeing them is all that is wanted.
+        quiet = "ignore::UserWarning:multiprocessing.resource_tracker"
+        if quiet not in sys.warnoptions:
+            sys.warnoptions.append(quiet)  # passed to the tracker as -W when it starts
+        # Pool.__exit__ terminates the workers: Ctrl-C, SIGTERM (Terminated) or an error here ends them at once.
+        # Spawned, not forked: a fork of this threaded process (torch's, the caller's threads) can inherit a
+        # lock another thread held and hang in the child.
+        with multiprocessing.get_context("spawn").Pool(count, initializer=_worker_start) as pool, \
                 (heartbeat(status) if lines else contextlib.nullcontext()):
             for part in pool.imap_unordered(_evaluate, tasks):
                 rows += part
@@ -210,15 +218,15 @@ def _worker_start() -> None:
     """A pool worker lives only as long as the plan that started it, and never holds its caller's pipes:
     the parent ends it (SIGTERM from Pool.terminate: the default action, not our handler), Ctrl-C at a
     terminal reaches the parent alone, and a parent killed outright takes its workers with it."""
+    parent = os.getppid()
+    _die_with_parent()
+    if os.getppid() != parent:  # the parent died before the line above took effect
+        os._exit(1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     devnull = os.open(os.devnull, os.O_RDWR)
     for fd in (0, 1, 2):  # a `| tee` or `$(...)` of the plan sees its end when the plan ends
         os.dup2(devnull, fd)
-    parent = os.getppid()
-    _die_with_parent()
-    if os.getppid() != parent:  # the parent died before the line above took effect
-        os._exit(1)
 
     def watch() -> None:  # where the kernel cannot tie the worker to its parent (not Linux)
         while os.getppid() == parent:
@@ -231,12 +239,10 @@ def _worker_start() -> None:
 def _die_with_parent() -> None:
     """Linux's PR_SET_PDEATHSIG: the kernel sends SIGKILL to this process when its parent dies."""
     import ctypes
-    import ctypes.util
 
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG = 1 (linux/prctl.h)
-    except (OSError, AttributeError):
+    try:  # the C library already loaded in this process: no search, no subprocess
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG = 1 (linux/prctl.h)
+    except (OSError, AttributeError, TypeError):
         pass
 
 

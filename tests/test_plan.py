@@ -127,9 +127,9 @@ def test_stopping_plan_stops_its_workers_and_frees_the_callers_pipes(tmp_path, s
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True, env=env)
     try:
         deadline = time.monotonic() + 120
-        while len(_session(run.pid)) < 3 and time.monotonic() < deadline:  # the plan and its two workers
+        while len(_session(run.pid)) < 3 and time.monotonic() < deadline:  # the plan, two workers, a tracker
             time.sleep(0.1)
-        assert len(_session(run.pid)) == 3, "the plan's workers never started"
+        assert len(_session(run.pid)) >= 3, "the plan's workers never started"
         time.sleep(1)  # the workers are capturing
         os.kill(run.pid, sig)
         out, err = run.communicate(timeout=30)  # both pipes closed: every writer is gone
@@ -137,6 +137,7 @@ def test_stopping_plan_stops_its_workers_and_frees_the_callers_pipes(tmp_path, s
         assert run.returncode == expected, err
         if sig != signal.SIGKILL:
             assert err.decode().strip().splitlines()[-1] in ("fxworkload: terminated", "fxworkload: interrupted")
+        assert b"Traceback" not in err and b"Warning" not in err, err
         deadline = time.monotonic() + 5
         while _session(run.pid) and time.monotonic() < deadline:
             time.sleep(0.1)
