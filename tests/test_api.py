@@ -1,4 +1,4 @@
-"""The Python API as the README shows it: its code block runs as written, and what it returns and
+"""The Python API as docs/commands.md shows it: its code block runs as written, and what it returns and
 writes agrees with the CLI's files."""
 
 from __future__ import annotations
@@ -10,18 +10,18 @@ from pathlib import Path
 import fxworkload
 from fxworkload.cli import main
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+COMMANDS_PAGE = Path(__file__).resolve().parents[1] / "docs" / "commands.md"
 
 
 def _readme_snippet() -> str:
-    section = README.read_text().split("## Python API", 1)[1]
+    section = COMMANDS_PAGE.read_text().split("## Python API", 1)[1]
     return re.search(r"```python\n(.*?)```", section, re.S).group(1)
 
 
 def test_the_readme_snippet_runs_as_written(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     scope: dict = {}
-    exec(compile(_readme_snippet(), "README.md", "exec"), scope)
+    exec(compile(_readme_snippet(), "docs/commands.md", "exec"), scope)
     printed = capsys.readouterr().out
     result, rank = scope["result"], scope["rank"]
     assert f"{result.totals['step_estimated_ns'] / 1e6:.1f} ms per step" in printed
