@@ -307,8 +307,11 @@ def report_text(comparison: Comparison, top: int = 15) -> str:
                      f"{measured_peak / 2 ** 20:.1f} MiB (max_memory_allocated), "
                      f"{_pct(relative_error(estimated_peak, measured_peak), True)}")
     if comparison.unpaired_ops:
-        notes.append(f"{comparison.unpaired_ops} ops on one side only (another kernel variant); in the totals only")
-    notes += _trace_notes(comparison.trace)
+        notes.append(f"{comparison.unpaired_ops} ops ran on one side only (the estimate's graph and the measured step "
+                     "chose different kernels for them, e.g. another attention backend or a fused op): they count in "
+                     "the phase totals above but in no op pair below; extract with the measurement's device and "
+                     "--trace-on to pair them")
+    notes += _trace_notes(comparison.trace, e_settings)
     kinds = [[k["kind"], k["count"], f"{k['estimated_ns'] / 1e6:.3f}", f"{k['measured_ns'] / 1e6:.3f}",
               _pct(k["median_abs_error"])] for k in kind_summary(comparison)]
     longest = sorted(comparison.pairs, key=lambda p: p.measured_ns, reverse=True)
@@ -324,11 +327,18 @@ def report_text(comparison: Comparison, top: int = 15) -> str:
     ]) + "\n"
 
 
-def _trace_notes(trace: dict | None) -> list[str]:
+def _trace_notes(trace: dict | None, estimated: dict) -> list[str]:
     if not trace:
         return []
     notes = [f"profiler trace: {trace['steps']} step(s), {trace['unit']} time {trace['total_ns'] / 1e6:.3f} ms per step, "
              f"{_pct(trace['attributed_fraction'])} of it tied to graph nodes"]
+    if trace.get("unmarked_steps", 0) > 1:
+        notes.append(f"WARNING: the trace holds {trace['unmarked_steps']} training steps but no ProfilerStep markers, "
+                     "so they were read as one step: profile with torch.profiler.schedule(...) and call prof.step() "
+                     "after each step, or profile a single step")
+    mismatch = _dispatch_mismatch(trace, estimated)
+    if mismatch:
+        notes.append(mismatch)
     if trace["communication_ns"]:
         notes.append(f"communication (nccl kernels, c10d ops): {trace['communication_ns'] / 1e6:.3f} ms per step")
     lost = list(trace["unattributed_ns"].items())
@@ -336,6 +346,21 @@ def _trace_notes(trace: dict | None) -> list[str]:
         named = ", ".join(f"{name} {ns / 1e6:.3f} ms" for name, ns in lost[:5])
         notes.append(f"tied to no graph node: {sum(ns for _, ns in lost) / 1e6:.3f} ms per step, largest: {named}")
     return notes
+
+
+def _dispatch_mismatch(trace: dict, estimated: dict) -> str | None:
+    """A trace from another device than the one whose dispatch the estimate's graph follows, and the
+    extract command that follows the trace's."""
+    traced_on = str(estimated.get("traced_on", ""))
+    on_cpu = trace.get("unit") == "cpu op"
+    if on_cpu == traced_on.startswith("cpu"):
+        return None
+    command = (f"fxworkload extract {estimated.get('model', 'MODEL')} --batch {estimated.get('batch')} "
+               f"--seq {estimated.get('seq')} --dtype {estimated.get('dtype')} "
+               + ("--trace-on cpu --device cpu" if on_cpu else "--trace-on cuda --device <the GPU's profile>"))
+    return (f"WARNING: the trace ran on {'the CPU' if on_cpu else trace.get('device', 'a GPU')} but the estimate's "
+            f"graph follows {'CUDA' if on_cpu else 'the CPU'}'s dispatch (traced on '{traced_on}'): attention and "
+            f"fused ops differ, so fewer ops pair up; extract to match the trace: {command}")
 
 
 def comparison_json(comparison: Comparison) -> str:

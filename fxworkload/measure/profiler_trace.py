@@ -80,6 +80,7 @@ class TraceAttribution:
     unit: str  # "kernel" or "cpu op"
     steps: int
     device: str
+    unmarked_steps: int = 0  # training steps found in a trace without ProfilerStep markers (read as one)
 
     @property
     def attributed_ns(self) -> float:
@@ -360,6 +361,7 @@ def attribute(path: Path, rows: list[dict]) -> TraceAttribution:
     steps = sorted({e.step for e in roots})
     if len(steps) > 1:  # ProfilerStep iterations: what ran outside them is no step's
         steps = [s for s in steps if s >= 0]
+    unmarked = unmarked_steps(roots) if steps == [-1] else 0
     orphans = [e for e in events if e.category in GPU_CATEGORIES and e.parent is None]
     by_index = {e.index: e for e in events}
     per_step = []
@@ -382,7 +384,7 @@ def attribute(path: Path, rows: list[dict]) -> TraceAttribution:
         op_ns=_median_over_steps([s.op_ns for s in per_step]), rest_ns=_median_over_steps([s.rest_ns for s in per_step]),
         unattributed_ns=dict(unattributed), communication_ns=statistics.fmean(s.communication_ns for s in per_step),
         total_ns=statistics.fmean(s.total_ns for s in per_step), unit="kernel" if gpu else "cpu op",
-        steps=len(per_step), device=device)
+        steps=len(per_step), device=device, unmarked_steps=unmarked)
 
 
 @dataclass
@@ -441,13 +443,42 @@ def _attribute_step(roots: list[Event], forward_ops: list[GraphOp], backward_ops
             if _is_communication(root) or _is_communication(event):
                 times.communication_ns += ns
             elif where is None:
-                times.unattributed_ns[root.name] += ns
+                times.unattributed_ns[_unattributed_name(root)] += ns
             elif where[0] == "op":
                 times.op_ns[where[1]] += ns
             else:
                 times.rest_ns[where[1]] += ns
     _split_backward_rest(times.op_ns, times.rest_ns)
     return times
+
+
+OPTIMIZER_MARK = "Optimizer.step#"  # torch.optim wraps each step in record_function("Optimizer.step#<Class>.step")
+
+
+def _unattributed_name(root: Event) -> str:
+    """A top-level op tied to no node, by name; the optimizer's ops (inside its record_function) as its step."""
+    above = root.parent
+    while above is not None:
+        if above.name.startswith(OPTIMIZER_MARK):
+            return f"optimizer step ({above.name.removeprefix(OPTIMIZER_MARK)})"
+        above = above.parent
+    return root.name
+
+
+def unmarked_steps(roots: list[Event]) -> int:
+    """How many training steps the top-level ops hold, counted as forward-to-backward turns of the
+    main thread: a trace of several steps without ProfilerStep markers is otherwise read as one."""
+    threads = defaultdict(list)
+    for root in roots:
+        threads[root.tid].append(root)
+    main = max(threads.values(), key=len, default=[])
+    turns, previous_backward = 0, True
+    for root in sorted(main, key=lambda e: e.ts):
+        backward = root.name.startswith(BACKWARD_ROOT)
+        if backward and not previous_backward:
+            turns += 1
+        previous_backward = backward
+    return turns
 
 
 def _split_backward_rest(op_ns: dict, rest_ns: dict) -> None:
@@ -563,6 +594,7 @@ def measured_document(path: Path, estimated: dict) -> dict:
                     timer=f"torch.profiler ({found.unit} time)")
     trace = {"path": str(path), "unit": found.unit, "steps": found.steps, "total_ns": found.total_ns,
              "attributed_ns": found.attributed_ns, "attributed_fraction": found.attributed_fraction,
-             "communication_ns": found.communication_ns,
+             "communication_ns": found.communication_ns, "unmarked_steps": found.unmarked_steps,
+             "device": found.device,
              "unattributed_ns": dict(sorted(found.unattributed_ns.items(), key=lambda kv: -kv[1]))}
     return {"settings": settings, "rows": measured_rows, "totals": {}, "trace": trace, "path": str(path)}

@@ -294,3 +294,43 @@ def test_a_cuda_trace_ties_kernels_to_nodes_through_their_launches(traced, tmp_p
                 and op["tid"] == addmm["tid"] and addmm["ts"] <= op["ts"] < addmm["ts"] + addmm["dur"])
     row = next(r for r in measured["rows"] if r["name"] == "transformer_h_0_attn_c_attn")
     assert under > 0 and row["forward"]["measured_ns"] == pytest.approx(under)
+
+
+def _steps_without_markers(path, steps: int, optimizer: bool = False) -> None:
+    config = tiny_config("gpt2")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).train()
+    ids = torch.randint(0, config.vocab_size, (BATCH, SEQ))
+    adam = torch.optim.AdamW(model.parameters())
+    model(input_ids=ids, labels=ids, use_cache=False).loss.backward()  # warm-up
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
+        for _ in range(steps):
+            model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+            if optimizer:
+                adam.step()
+                adam.zero_grad(set_to_none=True)
+    prof.export_chrome_trace(str(path))
+
+
+def test_compare_explains_a_trace_it_cannot_read_as_meant(traced, tiny_dirs, tmp_path):
+    """Issue 28 §3: three iterations without ProfilerStep markers are flagged, the optimizer's ops are
+    reported as its step, and a CPU trace against a GPU-traced estimate names the command that fixes it."""
+    _steps_without_markers(tmp_path / "three.json", steps=3, optimizer=True)
+    _, _, folder = traced["gpt2"]
+    run = fxworkload("compare", folder / "estimated", tmp_path / "three.json", "--out", tmp_path / "c3")
+    assert run.returncode == 0, run.stderr
+    report = (tmp_path / "c3" / "comparison.txt").read_text()
+    assert "holds 3 training steps but no ProfilerStep markers" in report
+    assert "optimizer step (AdamW.step)" in report
+    gpu_traced = tmp_path / "gpu-est"
+    assert fxworkload("extract", tiny_dirs["gpt2"], "--batch", BATCH, "--seq", SEQ, "--device", "h100-sxm",
+                      "--out", gpu_traced).returncode == 0
+    run = fxworkload("compare", gpu_traced, folder / "trace.json", "--out", tmp_path / "cg")
+    assert run.returncode == 0, run.stderr
+    report = (tmp_path / "cg" / "comparison.txt").read_text()
+    assert "the trace ran on the CPU but the estimate's graph follows CUDA's dispatch" in report
+    assert f"--batch {BATCH} --seq {SEQ} --dtype fp32 --trace-on cpu --device cpu" in report
+    single = (folder / "estimated" / "workload.json")
+    run = fxworkload("compare", single, folder / "trace.json", "--out", tmp_path / "c1")
+    report = (tmp_path / "c1" / "comparison.txt").read_text()
+    assert "WARNING" not in report  # one step, traced as it ran: nothing to explain
