@@ -17,7 +17,7 @@ run: $(STAMP)
 	$(BIN)/fxworkload extract gpt2 --format tables,simai,chrome-trace --out outputs/gpt2
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n auto --maxprocesses 4 --dist worksteal
 
 # The property-based CLI fuzzer with a large budget (make test runs a small derandomized one).
 fuzz: $(STAMP)

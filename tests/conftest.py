@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import pytest
 from transformers import CONFIG_MAPPING
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
 
 # Dropout 0 so that an eager CPU step takes the same kernels as the trace (CPU flash SDPA has no dropout).
 TINY = {
@@ -22,6 +27,20 @@ TINY = {
 
 def tiny_config(model_type: str, **overrides):
     return CONFIG_MAPPING[model_type](**{**TINY[model_type], **overrides})
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _seeded_cpu_profile(tmp_path_factory):
+    """The session's cache holds a measured CPU profile (tests/fixtures/README.md) before any test or
+    module fixture runs, instead of 30 s of measuring in every test worker."""
+    import os
+
+    from fxworkload.cost import devices
+
+    os.environ["FXWORKLOAD_CACHE_DIR"] = str(tmp_path_factory.getbasetemp() / "cache")
+    cpu = devices.measured_path("cpu")
+    cpu.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(FIXTURES / "cpu_profile.json", cpu)
 
 
 @pytest.fixture(autouse=True)

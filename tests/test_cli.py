@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import subprocess
@@ -18,6 +20,23 @@ def fxworkload(*args, cwd=None):
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     return subprocess.run([sys.executable, "-m", "fxworkload", *map(str, args)], capture_output=True,
                           text=True, cwd=cwd, env=env)
+
+
+def in_process(*args, cwd=None) -> subprocess.CompletedProcess:
+    """The CLI's main() in this process, as fxworkload() runs it in a new one (exit code, stdout, stderr),
+    without the 2 s of importing torch again: for the many checks of what bad input prints."""
+    from fxworkload.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    here = os.getcwd()
+    try:
+        if cwd is not None:
+            os.chdir(cwd)
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main([str(a) for a in args])
+    finally:
+        os.chdir(here)
+    return subprocess.CompletedProcess(["fxworkload", *map(str, args)], code, out.getvalue(), err.getvalue())
 
 
 def test_extract_writes_both_tables_and_a_summary(tiny_dirs, tmp_path):
@@ -137,7 +156,7 @@ def test_bad_input_gives_one_line_exit_2_and_no_files(case, tmp_path, tiny_dirs)
     out = tmp_path / "never"
     if "--out" not in args:
         args = [*args, "--out", out]
-    run = fxworkload("extract", *args, cwd=tmp_path)
+    run = in_process("extract", *args, cwd=tmp_path)
     assert run.returncode == 2
     progress = ("building", "capturing", "captured", "its layers", "costing", "read the captured")
     lines = [line for line in run.stderr.splitlines() if not line.startswith(progress)]
@@ -267,5 +286,5 @@ def test_a_device_profile_with_an_impossible_figure_is_refused_by_name(changes, 
 def test_a_config_of_the_wrong_types_or_sizes_is_one_line(text, message, tmp_path):
     """Issue 16.4: these crashed (TypeError, RecursionError), extracted nothing, traced at 1024 or hung."""
     (tmp_path / "config.json").write_text(text)
-    run = fxworkload("extract", tmp_path / "config.json", "--out", tmp_path / "o")
+    run = in_process("extract", tmp_path / "config.json", "--out", tmp_path / "o")
     assert run.returncode == 2 and message in run.stderr and run.stderr.count("\n") == 1, run.stderr

@@ -17,7 +17,7 @@ from fxworkload.pipeline import extract
 from fxworkload.plan import Shape, candidate_layouts, evaluate_shape, plan
 
 from .conftest import tiny_config
-from .test_cli import fxworkload
+from .test_cli import fxworkload, in_process
 
 
 @pytest.fixture(scope="module")
@@ -160,7 +160,7 @@ def test_counts_past_any_real_run_are_refused_before_any_work(four_layers, tmp_p
     base = {"--gpus": "8", "--global-batch": "8"}
     base.update(dict(zip(args[::2], args[1::2])))
     started = time.monotonic()
-    run = fxworkload("plan", four_layers, "--seq", 16, *[x for kv in base.items() for x in kv], "--out", tmp_path / "x")
+    run = in_process("plan", four_layers, "--seq", 16, *[x for kv in base.items() for x in kv], "--out", tmp_path / "x")
     assert run.returncode == 2 and message in run.stderr and len(run.stderr.strip().splitlines()) == 1
     assert time.monotonic() - started < 30 and not (tmp_path / "x").exists()
 

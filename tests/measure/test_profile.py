@@ -17,7 +17,7 @@ from fxworkload.formats.tables import json_text, measured_json_text, tsv_text
 from fxworkload.measure.profile import profile, verify
 
 from ..conftest import tiny_config
-from ..test_cli import fxworkload
+from ..test_cli import fxworkload, in_process
 
 
 @pytest.fixture(scope="module")
@@ -156,7 +156,7 @@ def test_bad_profile_and_compare_input_is_one_line(tiny_dirs, tmp_path):
         cases.append((("calibrate", "--on", "cuda", "--name", "x"),
                       "is a CPU-only build" if torch.version.cuda is None else "torch sees no CUDA device"))
     for args, message in cases:
-        run = fxworkload(*args)
+        run = in_process(*args)
         assert run.returncode == 2, (args, run.stderr)
         assert message in run.stderr, (args, run.stderr)
         assert len(run.stderr.strip().splitlines()) == 1 and "Traceback" not in run.stderr
