@@ -26,6 +26,7 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="fxworkload", description="Turn a HuggingFace model into a per-node training workload.")
+    parser.add_argument("--version", action="version", version=f"fxworkload {_version()}")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     extract = commands.add_parser("extract", help="capture one training step and write the workload tables")
@@ -89,7 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--global-batch", type=int, required=True, help="sequences per step (all micro-batches, all replicas)")
     plan.add_argument("--seq", type=int, required=True, help="sequence length")
     plan.add_argument("--device", default="h100-sxm", help="device profile (default h100-sxm)")
-    plan.add_argument("--dtype", default="bf16", help="parameter and activation dtype (default bf16)")
+    plan.add_argument("--dtype", default="bf16", help="parameter and activation dtype: fp32, bf16 or fp16 (default bf16, "
+                                                      "as large runs train; extract's default is fp32)")
     plan.add_argument("--top", type=int, default=10, help="layouts listed (default 10; 0 = all that fit)")
     plan.add_argument("--workers", type=int, default=None, help="local processes (default: one per core)")
     plan.add_argument("--ray", default=None, metavar="ADDRESS",
@@ -100,6 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     calibrate = commands.add_parser("calibrate", help="measure this machine's device profile")
     calibrate.add_argument("--on", default="cpu", help="cpu or cuda (default cpu)")
+    calibrate.add_argument("--force", action="store_true",
+                           help="save a CPU profile even when its checks say the machine was busy or the timings "
+                                "noisy (default: refuse, and say why)")
     calibrate.add_argument("--name", default=None,
                            help="profile name (default 'cpu'; required with --on cuda and --from, e.g. my-h100)")
     calibrate.add_argument("--from", dest="from_trace", type=Path, default=None,
@@ -122,6 +127,12 @@ def build_parser() -> argparse.ArgumentParser:
     models.set_defaults(func=run_models)
     commands.add_parser("devices", help="list the device profiles").set_defaults(func=run_devices)
     return parser
+
+
+def _version() -> str:
+    from . import __version__  # the package's __init__ imports no torch
+
+    return __version__
 
 
 def _out_dir(text: str) -> Path:
@@ -244,6 +255,11 @@ def run_profile(args) -> int:
                          repeat=args.repeat, warmup=args.warmup, progress=True, timer=args.timer)
     except OutOfMemory as exc:
         raise UserError(f"{exc} (the step needs about {_needed_gib(args.model, exc)} GiB: extract's estimate)") from None
+    from .formats.tables import measured_totals, sum_of_ops_warning
+
+    warning = sum_of_ops_warning(measured_totals(result))
+    if warning:
+        print(f"fxworkload: {warning}", file=sys.stderr)
     return _publish(args.out or Path("outputs") / f"{result.spec.name}-measured", measured_summary_text(result), {
         "measured.tsv": tsv_text(result.workload, "bytes", result.op_ns),
         "measured.json": measured_json_text(result),
@@ -351,7 +367,7 @@ def run_plan(args) -> int:
 
 def run_calibrate(args) -> int:
     from .cost import devices
-    from .measure.calibrate import gpu_datasheet, measure, say
+    from .measure.calibrate import gpu_datasheet, measure_checked, say
 
     if args.on not in ("cpu", "cuda"):
         raise UserError(f"unknown --on {args.on!r}: use cpu or cuda")
@@ -381,7 +397,13 @@ def run_calibrate(args) -> int:
     if args.on == "cuda":
         say("no shipped datasheet profile matches this GPU (pass --like PROFILE to fit one's GPU model): "
             "measuring its rates instead")
-    path = _save_profile(measure(args.on, name, progress=say), name)
+    profile, problems = measure_checked(args.on, name, progress=say)
+    if problems and not args.force:
+        raise Refused(f"the measurement is not to be trusted, so no profile was saved: {'; '.join(problems)}; "
+                      "run it again on a quiet machine, or pass --force to save it anyway")
+    for problem in problems:
+        say(f"warning (saved with --force): {problem}")
+    path = _save_profile(profile, name)
     print(f"saved device profile '{name}' to {path}; use it with --device {name}")
     return 0
 

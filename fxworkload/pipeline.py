@@ -284,10 +284,15 @@ def load_device(name: str, say=None) -> DeviceProfile:
     """The device profile; for ``cpu`` never calibrated on this machine, calibrate it first
     (profiles are only read in ``cost``: measuring is this layer's job)."""
     if name == "cpu" and not devices.exists("cpu"):
-        from .measure.calibrate import measure
+        from .measure.calibrate import measure_checked
 
-        (say or print_progress)("measuring this CPU once (run 'fxworkload calibrate' to redo it)...")
-        profile = measure("cpu", "cpu")
+        tell = say or print_progress
+        tell("measuring this CPU once (run 'fxworkload calibrate' to redo it)...")
+        profile, problems = measure_checked("cpu", "cpu")
+        if problems:  # good enough for this run, not kept for the next
+            tell(f"warning: this CPU's measurement is not to be trusted ({'; '.join(problems)}): used for this run "
+                 "only; run 'fxworkload calibrate' on a quiet machine")
+            return profile
         try:
             devices.save(profile, devices.measured_path("cpu"))
         except OSError:

@@ -18,8 +18,10 @@ net of the per-kernel overhead, so that ``overhead + amount / rate`` gives the m
 from __future__ import annotations
 
 import itertools
+import os
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -76,6 +78,80 @@ def measure(on: str = "cpu", name: str = "cpu", progress=lambda text: None) -> D
                  "kernel_launch_ns": f"{how}: median time of add, mul, clone of 4096 elements",
                  "compute_efficiency": "1.0: the rates are measured, not peaks",
                  "memory_efficiency": "1.0: the bandwidth is measured, not a peak"})
+
+
+# A measurement is trusted when the machine was its own (the process got this share of the CPU time its
+# threads could use while a reference GEMM ran: 1.00 idle on the 2-core development machine, 0.50
+# beside one busy loop per core), when that reference and the per-op overhead, timed first and last,
+# agree, and when two measurements of the same memory-bound work agree: the bandwidth curve has the
+# shape caches allow (a smaller copy at most 2x slower per byte than a larger one), and add's vector
+# rate is within 5x of what the curve's bandwidth gives for its bytes (1 FLOP per 12 bytes).
+MIN_CPU_SHARE = 0.8
+MAX_DRIFT = 0.15
+MAX_SLOWER_SMALLER = 2.0
+MAX_ADD_MISMATCH = 5.0
+
+
+def measure_checked(on: str = "cpu", name: str = "cpu", progress=lambda text: None) -> tuple[DeviceProfile, list[str]]:
+    """``measure``, with what says whether to trust it: the machine's share of CPU time during the run, a
+    reference GEMM and the per-op overhead timed before and after, and the shapes of the measured
+    curves. Returns the profile and the reasons not to trust it (none: trusted)."""
+    clock = Clock(device_for(on))
+    reference = _reference(clock)
+    load = _load()
+    profile = measure(on, name, progress)
+    again = _reference(clock)
+    problems = []
+    if clock.device.type == "cpu":
+        share = min(reference[2], again[2])
+        if share < MIN_CPU_SHARE:
+            problems.append(f"the process got {share:.0%} of the CPU its {torch.get_num_threads()} threads could use "
+                            f"(other work is running: load {load:.1f} on {os.cpu_count()} cores)")
+    for what, before, after in (("a 1024^3 fp32 GEMM", reference[0], again[0]), ("the per-op overhead",
+                                                                                 reference[1], again[1])):
+        if abs(after / before - 1) > MAX_DRIFT:
+            problems.append(f"{what} took {before / 1e3:.1f} us first and {after / 1e3:.1f} us last "
+                            f"({after / before - 1:+.0%})")
+    problems += curve_problems(profile)
+    return profile, problems
+
+
+def curve_problems(profile: DeviceProfile) -> list[str]:
+    """Measured curves whose shape no cache hierarchy makes."""
+    problems = []
+    curve = profile.memory_bytes_per_s_by_bytes or []
+    for i, (size, rate) in enumerate(curve):
+        faster = max((r for s, r in curve[i + 1:]), default=0.0)
+        if faster > MAX_SLOWER_SMALLER * rate:
+            problems.append(f"bandwidth {rate / 1e9:.3g} GB/s at {size / 2 ** 10:.0f} KiB beside "
+                            f"{faster / 1e9:.3g} GB/s for a larger copy")
+            break
+    add = (profile.vector_flops_per_s_by_op or {}).get("add")
+    if add and curve:
+        add_bytes = 3 * 4 * VECTOR_ELEMENTS  # two fp32 inputs read, one written
+        bandwidth = min(curve, key=lambda point: abs(point[0] - add_bytes))[1]
+        expected = bandwidth * VECTOR_ELEMENTS / add_bytes
+        if not 1 / MAX_ADD_MISMATCH <= add / expected <= MAX_ADD_MISMATCH:
+            problems.append(f"add ran at {add / 1e9:.3g} GFLOP/s where the bandwidth measured for its "
+                            f"{add_bytes / 2 ** 20:.0f} MiB gives {expected / 1e9:.3g}")
+    return problems
+
+
+def _reference(clock: Clock) -> tuple[float, float, float]:
+    """A 1024^3 fp32 GEMM's median ns, the per-op overhead, and the share of CPU time the threads got
+    while the GEMM ran (process time over wall time x threads)."""
+    a, b = (torch.randn(1024, 1024, device=clock.device) for _ in range(2))
+    started_wall, started_cpu = time.perf_counter(), time.process_time()
+    gemm_ns = clock.median_ns(lambda: torch.mm(a, b), repeat=9, warmup=2)
+    share = (time.process_time() - started_cpu) / ((time.perf_counter() - started_wall) * torch.get_num_threads())
+    return gemm_ns, _overhead_ns(clock), share
+
+
+def _load() -> float:
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return 0.0
 
 
 def rate_text(flops_per_s: float) -> str:
@@ -156,6 +232,9 @@ def say(text: str) -> None:
 
 # Ops of at most this many bytes, launched alone, time the per-op overhead in a trace.
 SMALL_OP_BYTES = 64 << 10
+# The per-op overhead a fit may find: a CPU dispatches an eager op in ~2-20 us, a GPU launches one in
+# ~3-10 us; a fit outside 0.1 us to 1 ms read noise or another step, not overhead.
+MIN_OVERHEAD_NS, MAX_OVERHEAD_NS = 100.0, 1e6
 
 
 def fit_from_measured(measured: dict, name: str, source: str) -> DeviceProfile:
@@ -172,6 +251,10 @@ def fit_from_measured(measured: dict, name: str, source: str) -> DeviceProfile:
         raise UserError(f"{source}: too few timed ops to fit a profile from (need GEMMs and at least 3 small ops); "
                         "profile a whole training step")
     launch_ns = statistics.median(small)
+    if not MIN_OVERHEAD_NS <= launch_ns <= MAX_OVERHEAD_NS:
+        raise UserError(f"{source}: its small ops take {launch_ns / 1e3:,.1f} us each, outside any machine's per-op "
+                        f"overhead ({MIN_OVERHEAD_NS / 1e3:g} to {MAX_OVERHEAD_NS / 1e3:,.0f} us): a trace of a busy "
+                        "or throttled machine, or of another step; profile again on a quiet machine")
     gemm_rates = {}
     for dtype_name, torch_name in (("fp32", "float32"), ("bf16", "bfloat16"), ("fp16", "float16")):
         gemms = [op for op in kernels if op.get("kind") == "matmul" and torch_name in op.get("input_dtypes", [])]
@@ -195,8 +278,10 @@ def fit_from_measured(measured: dict, name: str, source: str) -> DeviceProfile:
         compute_efficiency=1.0, memory_efficiency=1.0, kernel_launch_ns=launch_ns,
         memory_bytes_per_s_by_bytes=memory_curve, vector_flops_per_s_by_op=vector_by_op,
         sources={"kernel_launch_ns": f"{how}: median time of its non-GEMM ops of at most {SMALL_OP_BYTES} bytes",
-                 "matmul_flops_per_s": f"{how}: per dtype, the GEMMs' FLOPs over their time net of the overhead "
-                                       "(a dtype with no GEMM in the step takes the best rate)",
+                 "matmul_flops_per_s": f"{how}: per dtype, the GEMMs' FLOPs over their time net of the overhead"
+                                       + (f"; not measured, copied from the best rate: "
+                                          f"{', '.join(k for k in ('fp32', 'bf16', 'fp16') if k not in gemm_rates)}"
+                                          if len(gemm_rates) < 3 else ""),
                  "memory_bytes_per_s_by_bytes": f"{how}: non-GEMM ops bucketed by bytes moved (powers of 4), "
                                                 "bytes over time net of the overhead",
                  "memory_bytes_per_s": f"{how}: the rate of the largest bucket",
