@@ -113,11 +113,14 @@ def summary_text(workload: Workload, settings: dict, top: int = 10) -> str:
         ["model", settings["model"]],
         ["device", settings["device"]],
         ["dtype / grad dtype", f"{settings['dtype']} / {settings['grad_dtype']}"],
-        [f"trainable parameters ({scope})", f"{totals['parameters']:,}"],
+        [f"trainable parameters ({scope})", f"{totals['parameter_count']:,}"],
         ["tokens per micro-batch (batch x seq)", f"{tokens:,} ({settings['batch']} x {settings['seq']}){per_step}"],
         [f"gradient bytes ({scope})", f"{totals['gradient_bytes']:,}"],
     ]
     pass_label = "one micro-batch" + (f", {scope}" if sharded or p["pp"] > 1 else "")
+    kernels_ns = sum(totals[f"{ph}_estimated_ns"] for ph in PHASES)
+    if abs(totals["step_estimated_ns"] - kernels_ns) > 1e-3 * kernels_ns:  # the host, not the device, sets the pace
+        pass_label += "; ms: kernels beside the host's dispatch of each op, so more than their sum"
     phases = [[phase, f"{totals[f'{phase}_flops']:.4e}", f"{totals[f'{phase}_bytes']:.4e}",
                f"{totals[f'{phase}_estimated_ns'] / 1e6:.3f}"]
               for phase in ("forward", "input_grad", "weight_grad")]
@@ -175,7 +178,9 @@ def cluster_summary_text(cluster) -> str:
              ["exposed ms: dp gradient reduction / ZeRO parameter gather",
               f"{exposed['dp'] / 1e6:.3f} / {(exposed['zero_gather'] + exposed['zero3_gather']) / 1e6:.3f}"],
              ["optimizer step ms (Adam, memory-bound)", f"{exposed['optimizer'] / 1e6:.3f}"],
-             ["MFU / HFU (model / hardware FLOPs over the dense peak)",
+             [("MFU / HFU (model / hardware FLOPs over the dense peak)" if cluster.profile is None or
+               cluster.profile.arch else "FLOPs utilisation (model / hardware FLOPs over this CPU's measured "
+                                         "GEMM rate, not a datasheet peak)"),
               f"{100 * cluster.mfu:.1f}% / {100 * cluster.hfu:.1f}%"],
              ["TFLOP/s per GPU (model FLOPs)", f"{cluster.tflops_per_gpu:.1f}"],
              ["tokens per s per GPU", f"{cluster.tokens_per_s_per_gpu:,.1f}"]]

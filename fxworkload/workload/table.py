@@ -136,7 +136,7 @@ class Workload:
         out["kernel_sum_ns"] = sum(out[f"{p}_estimated_ns"] for p in (FORWARD, INPUT_GRAD, WEIGHT_GRAD))
         out["dispatch_sum_ns"] = sum(op.dispatch_ns for op in ordered)
         out["step_estimated_ns"] = two_stream_ns([(op.dispatch_ns, op.estimated_ns) for op in ordered])
-        out["parameters"] = self.parameter_count
+        out["parameter_count"] = self.parameter_count  # trainable parameters (a count, not bytes)
         out["gradient_bytes"] = self.gradient_bytes
         out["saved_activation_bytes"] = self.saved_bytes
         out["step_peak_bytes"] = self.step_peak_bytes

@@ -23,7 +23,7 @@ def test_one_gpu_step_is_its_passes_and_the_optimizer(tiny_dirs):
     flops = sum(result.workload.totals[f"{ph}_flops"] for ph in PHASES)
     assert cluster.model_flops == 3 * flops == cluster.hardware_flops
     assert cluster.tokens == 2 * 16 * 3
-    parameters = result.workload.totals["parameters"]
+    parameters = result.workload.totals["parameter_count"]
     # Adam in mixed precision? fp32 here: 2 x 8 state bytes + fp32 gradient + fp32 parameter per parameter
     assert cluster.exposed_ns["optimizer"] == pytest.approx(
         parameters * (16 + 4 + 4) / (result.device.memory_bytes_per_s * result.device.memory_efficiency) * 1e9)

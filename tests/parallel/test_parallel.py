@@ -32,7 +32,7 @@ def test_one_rank_units_add_up_to_the_plain_extraction(tiny_dirs, model_type):
         assert sum(u.flops(phase) for u in units) == totals[f"{phase}_flops"]
         assert sum(u.ns(phase) for u in units) == pytest.approx(totals[f"{phase}_estimated_ns"], rel=1e-12)
     assert all(not u.comms[phase] for u in result.rank.units for phase in PHASES)
-    assert sum(g.elements for u in units for g in u.grads) == totals["parameters"]
+    assert sum(g.elements for u in units for g in u.grads) == totals["parameter_count"]
 
 
 def test_gpt2_flops_per_tp_rank_are_megatrons_over_tp():
