@@ -229,12 +229,33 @@ def _label(gm: torch.fx.GraphModule, parameter_nodes: dict[str, torch.fx.Node]) 
         pending.clear()
     for waiting in pending:
         owner[waiting] = last_forward
+    for node, forward_user in _gradient_sums(graph, parameter_nodes, forward).items():
+        owner[node] = forward_user
 
     phase = {n: FORWARD for n in forward}
     weight_grad = _weight_grad_nodes(backward, owner, _weight_like(graph, parameter_nodes))
     phase.update({n: WEIGHT_GRAD if n in weight_grad else INPUT_GRAD for n in backward})
     module = {n: _innermost_module(n) for n in forward}
     return Capture(graph_module=gm, graph=graph, phase=phase, owner=owner, module=module, parameter_nodes=parameter_nodes)
+
+
+def _gradient_sums(graph: torch.fx.Graph, parameter_nodes: dict[str, torch.fx.Node],
+                   forward: list[torch.fx.Node]) -> dict[torch.fx.Node, torch.fx.Node]:
+    """A parameter used twice (a head tied to the input embedding) gets its gradient as the sum of its
+    two uses' gradients, added by autograd's engine outside any grad_fn: that add belongs to the
+    parameter's first forward use (the embedding), not to whatever forward op came last."""
+    output = next(n for n in graph.nodes if n.op == "output")
+    flat = [a for a in torch.utils._pytree.tree_leaves(output.args[0]) if isinstance(a, torch.fx.Node)]
+    grads = flat[1:1 + len(parameter_nodes)]  # the loss, then one gradient per parameter, in order
+    position = {n: i for i, n in enumerate(forward)}
+    out = {}
+    for parameter, grad in zip(parameter_nodes.values(), grads):
+        if grad.meta.get("custom", {}).get(_GRAD_FN_KEY) is not None or grad.op != "call_function":
+            continue
+        users = sorted((u for u in parameter.users if u in position), key=position.get)
+        if users and grad.target in (torch.ops.aten.add.Tensor, torch.ops.aten.add_.Tensor):
+            out[grad] = users[0]
+    return out
 
 
 def _weight_like(graph: torch.fx.Graph, parameter_nodes: dict[str, torch.fx.Node]) -> set[torch.fx.Node]:

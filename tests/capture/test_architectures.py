@@ -39,7 +39,7 @@ def test_extracts_and_every_parameter_gets_one_gradient(model_type, tmp_path):
     assert sorted(named) == sorted(name for name, p in module.named_parameters() if p.requires_grad)
     assert result.facts.layers == LAYERS
     assert result.facts.vocab == module.get_output_embeddings().weight.shape[0]
-    assert result.workload.totals["parameters"] == sum(p.numel() for p in module.parameters() if p.requires_grad)
+    assert result.workload.totals["parameter_count"] == sum(p.numel() for p in module.parameters() if p.requires_grad)
     if model_type == "mamba":
         assert result.facts.heads == 0  # no attention: the parallel checks have no heads to divide
 

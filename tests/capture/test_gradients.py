@@ -53,3 +53,15 @@ def test_grad_row_sits_right_before_its_modules_main_op(tiny_dirs):
     names = [r.name for r in workload.rows]
     for row in workload.grad_rows:
         assert names[names.index(row.name) + 1] == row.name.removesuffix("_grad")
+
+
+def test_a_tied_weights_gradient_sum_belongs_to_its_first_use(tiny_dirs):
+    """Issue 28 §5: GPT-2's head shares the input embedding's weight; autograd adds the two gradients
+    outside any grad_fn, and that add went to whichever forward op came last (a `getitem_1` row no user
+    could place). It is the embedding's weight gradient: the row of the weight's first use."""
+    from fxworkload.pipeline import extract
+
+    rows = extract(str(tiny_dirs["gpt2"]), seq=16, use_cache=False).nodes
+    wte = next(r for r in rows if r.module == "transformer.wte")
+    assert [op.op for op in wte.weight_grad][-1] == "aten.add.Tensor"
+    assert all(not (r.input_grad or r.weight_grad) for r in rows if r.name.startswith("getitem"))
