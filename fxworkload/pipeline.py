@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import json
-import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
 from importlib import metadata
@@ -34,6 +33,7 @@ from .parallel.memory import RankMemory, rank_memory
 from .parallel.rank import RankWorkload, rank_workload
 from .parallel.recompute import with_recompute
 from .parallel.sequence_parallel import with_sequence_parallel
+from .progress import say as print_progress
 from .workload import cache as graph_cache
 from .workload.table import Workload, recost
 
@@ -274,10 +274,6 @@ def _with_padded_vocab(spec, vocab_multiple: int, tp: int):
     config = copy.deepcopy(spec.config)
     text_config(config).vocab_size = padded_vocab(Parallel(tp=tp, vocab_multiple=vocab_multiple), vocab)
     return replace(spec, config=config)
-
-
-def print_progress(text: str) -> None:
-    print(text, file=sys.stderr, flush=True)
 
 
 def load_device(name: str, say=None) -> DeviceProfile:

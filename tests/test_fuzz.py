@@ -32,6 +32,7 @@ from hypothesis import strategies as st
 from fxworkload.cli import main
 from fxworkload.cost import devices
 
+from .measure.test_foreign_inputs import kernel_rows
 from .measure.test_profiler_trace import BATCH, SEQ, profile_steps
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
@@ -102,20 +103,8 @@ def world(tiny_dirs, tmp_path_factory):
                  "--device", "cpu", "--out", str(trace_dir / "est")]) == 0
     yield {"root": root, "models": models, "files": files, "trace": json.loads((trace_dir / "trace.json").read_text()),
            "trace_est": str(trace_dir / "est"), "logs": [p.read_text() for p in sorted(FIXTURES.glob("megatron_*"))],
-           "kernels": _kernel_rows()}
+           "kernels": kernel_rows()}
     patch.undo()
-
-
-def _kernel_rows() -> dict[str, list[list[str]]]:
-    """A small kernel data folder as rows (header first), each file with enough rows to be fitted."""
-    return {"gemm.csv": [["dtype", "m", "k", "n", "layout", "us"]]
-            + [["bf16", str(256 * i), "1024", "1024", "NT", f"{10.0 * i}"] for i in (1, 2, 3, 4)],
-            "sdpa.csv": [["dtype", "batch", "heads", "kv_heads", "seq", "head_dim", "causal", "dropout", "mask",
-                          "fwd_us", "bwd_us", "fwd_kernels"]]
-            + [["bf16", "1", "8", "8", str(128 * i), "64", "True", "0.0", "none", f"{20.0 * i}", f"{60.0 * i}", "k"]
-               for i in (1, 2, 3, 4)],
-            "vector.csv": [["op", "dtype", "rows", "cols", "us"]]
-            + [["add", "bf16", str(1024 * i), "1024", f"{5.0 * i}"] for i in (1, 2, 3, 4)]}
 
 
 # Foreign inputs, generated: one field of one record replaced by anything, or the text cut or grown.

@@ -20,7 +20,6 @@ from __future__ import annotations
 import itertools
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -31,6 +30,7 @@ from ..cost import devices
 from ..cost.devices import DeviceProfile
 from ..dtypes import DTYPES
 from ..errors import UserError
+from ..progress import say  # noqa: F401  (the CLI and bench/accuracy.py print calibrate's progress with it)
 from .timing import Clock, describe, device_for
 
 aten = torch.ops.aten
@@ -224,10 +224,6 @@ def _vector_rates(clock: Clock, launch_ns: float) -> dict[str, float]:
         median_ns = clock.median_ns(lambda: op(*args), repeat=7, warmup=2)
         rates[flop_rules.op_name(op)] = _net_rate(op_flops, median_ns, launch_ns)
     return rates
-
-
-def say(text: str) -> None:
-    print(text, file=sys.stderr, flush=True)
 
 
 # Ops of at most this many bytes, launched alone, time the per-op overhead in a trace.

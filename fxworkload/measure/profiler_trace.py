@@ -28,8 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import difflib
-import gzip
-import json
 import logging
 import os
 import statistics

@@ -3,10 +3,8 @@ one clean line (naming the file, record and field) or a correct result, never an
 
 from __future__ import annotations
 
-import contextlib
 import csv
 import gzip
-import io
 import json
 import pickle
 import shutil
@@ -18,10 +16,9 @@ import pytest
 import torch
 
 from fxworkload import inputs
-from fxworkload.cli import main
 from fxworkload.pipeline import extract
 
-from ..test_cli import fxworkload
+from ..test_cli import fxworkload, in_process
 from .test_profiler_trace import BATCH, SEQ, profile_steps
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
@@ -29,10 +26,8 @@ FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 
 def run(*argv) -> tuple[int, str]:
     """The CLI in process: exit code and stderr."""
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-        code = main([str(a) for a in argv])
-    return code, err.getvalue()
+    done = in_process(*argv)
+    return done.returncode, done.stderr
 
 
 def one_clean_line(code: int, err: str, says: str, expected_code: int = 2) -> None:
@@ -126,15 +121,22 @@ def test_a_megatron_log_with_an_endless_literal_is_one_line(trace, tmp_path):
 
 
 # The kernel CSVs of calibrate --kernels: one good folder, then one field broken at a time.
+def kernel_rows() -> dict[str, list[list[str]]]:
+    """A small kernel data folder as rows (header first), each file with enough rows to be fitted."""
+    return {"gemm.csv": [["dtype", "m", "k", "n", "layout", "us"]]
+            + [["bf16", str(256 * i), "1024", "1024", "NT", f"{10.0 * i}"] for i in (1, 2, 3, 4)],
+            "sdpa.csv": [["dtype", "batch", "heads", "kv_heads", "seq", "head_dim", "causal", "dropout", "mask",
+                          "fwd_us", "bwd_us", "fwd_kernels"]]
+            + [["bf16", "1", "8", "8", str(128 * i), "64", "True", "0.0", "none", f"{20.0 * i}", f"{60.0 * i}", "k"]
+               for i in (1, 2, 3, 4)],
+            "vector.csv": [["op", "dtype", "rows", "cols", "us"]]
+            + [["add", "bf16", str(1024 * i), "1024", f"{5.0 * i}"] for i in (1, 2, 3, 4)]}
+
+
 def _kernel_folder(tmp_path: Path) -> Path:
     folder = tmp_path / "kernels"
     folder.mkdir()
-    gemm = [["dtype", "m", "k", "n", "layout", "us"]] + [["bf16", 256 * i, 1024, 1024, "NT", 10.0 * i] for i in (1, 2, 3, 4)]
-    sdpa = [["dtype", "batch", "heads", "kv_heads", "seq", "head_dim", "causal", "dropout", "mask", "fwd_us", "bwd_us",
-             "fwd_kernels"]] + [["bf16", 1, 8, 8, 128 * i, 64, "True", 0.0, "none", 20.0 * i, 60.0 * i, "k"]
-                                for i in (1, 2, 3, 4)]
-    vector = [["op", "dtype", "rows", "cols", "us"]] + [["add", "bf16", 1024 * i, 1024, 5.0 * i] for i in (1, 2, 3, 4)]
-    for name, rows in (("gemm.csv", gemm), ("sdpa.csv", sdpa), ("vector.csv", vector)):
+    for name, rows in kernel_rows().items():
         with open(folder / name, "w", newline="") as f:
             csv.writer(f).writerows(rows)
     return folder
