@@ -4,12 +4,20 @@
   Megatron-LM"), Table 1 (weak scaling): GPT models, seq 2048, vocabulary 51,200, fp16 mixed
   precision on DGX A100 80GB; their TFLOP/s count eq. 3, 96·B·s·l·h²(1 + s/6h + V/16lh), which
   includes the recomputed forward (they recompute activations).
+- Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models"), Table 3
+  (configurations) and Table 5 (iteration time of "present work": sequence parallelism with selective
+  recomputation): GPT models of 22B, 175B, 530B and 1T, seq 2048, vocabulary 51,200, on DGX A100
+  80GB, tensor parallelism 8; their MFU counts eq. 3 without the recomputed forward
+  (72·B·s·l·h²(1 + s/6h + V/12lh)); here, as TFLOP/s per GPU of that count over their time.
 - The Llama 3 paper (Dubey et al. 2024), Table 4: Llama 3 405B (126 layers, hidden 16,384, 128
   heads, 8 KV heads, FFN 53,248, vocabulary 128,256) on H100 80GB, seq 8,192, bf16; TFLOP/s per
   GPU as model FLOPs (the paper reports MFU). The rows with context parallelism are left out
   (fxworkload does not model CP).
 
-Megatron-LM's runs recompute every layer (their eq. 3 counts the recomputed forward), so full
+Every row runs with the stack its paper used (``--stack fused``: Megatron-LM's fused kernels, and
+Meta's for Llama 3); the two Megatron-LM papers predate flash attention, so their GPT rows run the
+unfused attention core (transformers' eager attention: QK^T, fused scale-mask-softmax, dropout, AV),
+which Korthikanti et al.'s selective recomputation runs again. Narayanan et al.'s runs recompute every layer (their eq. 3 counts the recomputed forward), so full
 recomputation is used for those rows. The paper predates sequence parallelism (Korthikanti et al.
 2022) and Megatron-LM's distributed optimizer (added after it), so its rows run tensor parallelism
 with all-reduces (layer norms and dropouts on every tensor-parallel rank) and a plain data-parallel
@@ -27,6 +35,7 @@ schedule allows); the fastest layout that fits is kept.
 from __future__ import annotations
 
 import argparse
+import json
 import itertools
 import sys
 import tempfile
@@ -41,7 +50,8 @@ from fxworkload.parallel.layout import Parallel  # noqa: E402
 from fxworkload.plan import Shape, evaluate_shape  # noqa: E402
 
 GPT = dict(model_type="gpt2", vocab_size=51200, n_positions=2048, activation_function="gelu_new",
-           architectures=["GPT2LMHeadModel"])
+           architectures=["GPT2LMHeadModel"], attn_implementation="eager")
+STACK = "fused"
 # name: (heads, hidden, layers, tp, pp, gpus, global batch, published TFLOP/s per GPU)
 MEGATRON = {
     "1.7B": (24, 2304, 24, 1, 1, 32, 512, 137), "3.6B": (32, 3072, 30, 2, 1, 64, 512, 138),
@@ -50,6 +60,9 @@ MEGATRON = {
     "145.6B": (96, 12288, 80, 8, 8, 1536, 2304, 148), "310.1B": (128, 16384, 96, 8, 16, 1920, 2160, 155),
     "529.6B": (128, 20480, 105, 8, 35, 2520, 2520, 163),
 }
+# name: (heads, hidden, layers, tp, pp, gpus, global batch, micro batch, published iteration time s)
+KORTHIKANTI = {"22B": (64, 6144, 48, 8, 1, 8, 4, 4, 1.10), "175B": (96, 12288, 96, 8, 8, 64, 64, 1, 13.75),
+               "530B": (128, 20480, 105, 8, 35, 280, 280, 1, 37.83), "1T": (160, 25600, 128, 8, 64, 512, 512, 1, 71.49)}
 LLAMA_405B = dict(model_type="llama", hidden_size=16384, intermediate_size=53248, num_hidden_layers=126,
                   num_attention_heads=128, num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192,
                   rope_theta=500000.0, rms_norm_eps=1e-5, architectures=["LlamaForCausalLM"])
@@ -57,21 +70,44 @@ LLAMA_405B = dict(model_type="llama", hidden_size=16384, intermediate_size=53248
 LLAMA = {"405B 8192 GPUs": (8, 16, 64, 32, 430), "405B 16384 GPUs": (8, 16, 128, 16, 400)}
 
 
-def megatron_row(name: str, root: Path) -> list:
+def gpt_folder(root: Path, name: str, layers: int, hidden: int, heads: int) -> str:
+    """A GPT config of Megatron's shape; attn_implementation is written into config.json (save_pretrained
+    leaves it out), so the model built from it runs the unfused attention core."""
     from transformers import GPT2Config
 
-    heads, hidden, layers, tp, pp, gpus, batch, published = MEGATRON[name]
     folder = root / f"gpt-{name}"
     GPT2Config(n_layer=layers, n_embd=hidden, n_head=heads, **{k: v for k, v in GPT.items() if k != "model_type"}
                ).save_pretrained(folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(config | {"attn_implementation": GPT["attn_implementation"]}))
+    return str(folder)
+
+
+def megatron_row(name: str, root: Path) -> list:
+    heads, hidden, layers, tp, pp, gpus, batch, published = MEGATRON[name]
+    folder = gpt_folder(root, name, layers, hidden, heads)
     dp = gpus // (tp * pp)
-    best = best_layout(str(folder), tp, pp, dp, batch, 2048, "fp16", "a100-80gb", layers,
+    best = best_layout(folder, tp, pp, dp, batch, 2048, "fp16", "a100-80gb", layers,
                        recompute=("full",), pp_layers=None, sp=False, zero=0)
     seq, vocab = 2048, 51200
     paper_flops = 96 * batch * seq * layers * hidden ** 2 * (1 + seq / (6 * hidden) + vocab / (16 * layers * hidden))
     ours = paper_flops / (best["step_ms"] / 1e3) / gpus / 1e12
     return [f"GPT {name}", f"tp{tp} pp{pp} dp{dp}", gpus, describe(best), published, f"{ours:.0f}",
             f"{100 * (ours / published - 1):+.1f}%"]
+
+
+def korthikanti_row(name: str, root: Path) -> list:
+    heads, hidden, layers, tp, pp, gpus, batch, micro_batch, published_s = KORTHIKANTI[name]
+    folder = gpt_folder(root, name, layers, hidden, heads)
+    dp = gpus // (tp * pp)
+    best = best_layout(folder, tp, pp, dp, batch, 2048, "bf16", "a100-80gb", layers, recompute=("selective",),
+                       pp_layers=None, sp=True, zero=0, micro_batches=(micro_batch,))
+    seq, vocab = 2048, 51200
+    model_flops = 72 * batch * seq * layers * hidden ** 2 * (1 + seq / (6 * hidden) + vocab / (12 * layers * hidden))
+    published = model_flops / published_s / gpus / 1e12
+    ours = model_flops / (best["step_ms"] / 1e3) / gpus / 1e12
+    return [f"GPT {name} (Korthikanti)", f"tp{tp} pp{pp} dp{dp} sp", gpus, describe(best), f"{published:.0f}",
+            f"{ours:.0f}", f"{100 * (ours / published - 1):+.1f}%"]
 
 
 def llama_row(name: str, root: Path) -> list:
@@ -87,9 +123,10 @@ def llama_row(name: str, root: Path) -> list:
             f"{best['tflops_per_gpu']:.0f}", f"{100 * (best['tflops_per_gpu'] / published - 1):+.1f}%"]
 
 
-def best_layout(model, tp, pp, dp, batch, seq, dtype, device, layers, recompute, pp_layers, sp, zero) -> dict:
+def best_layout(model, tp, pp, dp, batch, seq, dtype, device, layers, recompute, pp_layers, sp, zero,
+                micro_batches=(1, 2, 4)) -> dict:
     rows = []
-    for micro_batch in (1, 2, 4):
+    for micro_batch in micro_batches:
         if batch % (dp * micro_batch):
             continue
         m = batch // (dp * micro_batch)
@@ -98,7 +135,7 @@ def best_layout(model, tp, pp, dp, batch, seq, dtype, device, layers, recompute,
                    for r, v in itertools.product(recompute, (1, 2, 4))
                    if v == 1 or (pp > 1 and m % pp == 0 and (min(pp_layers) >= v if pp_layers
                                                             else layers % (pp * v) == 0))]
-        rows += evaluate_shape(model, Shape(tp, 1, micro_batch), layouts, seq, dtype, device)
+        rows += evaluate_shape(model, Shape(tp, 1, micro_batch), layouts, seq, dtype, device, STACK)
     fitting = [r for r in rows if r["fits"]] or rows
     return min(fitting, key=lambda r: r["step_ms"]) | {"any_fits": any(r["fits"] for r in rows)}
 
@@ -119,6 +156,10 @@ def main() -> None:
     for name in MEGATRON:
         if wanted is None or name in wanted:
             rows.append(megatron_row(name, root))
+            print(" | ".join(map(str, rows[-1])), file=sys.stderr, flush=True)
+    for name in KORTHIKANTI:
+        if wanted is None or name in wanted:
+            rows.append(korthikanti_row(name, root))
             print(" | ".join(map(str, rows[-1])), file=sys.stderr, flush=True)
     for name in LLAMA:
         if wanted is None or name in wanted:

@@ -33,6 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_step_arguments(extract, "built-in name (see 'fxworkload models'), checkpoint folder, or config.json")
     extract.add_argument("--grad-dtype", default=None, help="gradient dtype for all-reduce sizes (default: --dtype)")
     extract.add_argument("--device", default=DEFAULT_DEVICE, help=f"device profile (default {DEFAULT_DEVICE}; see 'fxworkload devices')")
+    extract.add_argument("--stack", default="eager", help=STACK_HELP)
     extract.add_argument("--size-unit", choices=["bytes", "elements"], default="bytes",
                          help="unit of the gradient all-reduce sizes in workload.tsv (default bytes)")
     extract.add_argument("--trace-on", default="auto",
@@ -92,6 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--device", default="h100-sxm", help="device profile (default h100-sxm)")
     plan.add_argument("--dtype", default="bf16", help="parameter and activation dtype: fp32, bf16 or fp16 (default bf16, "
                                                       "as large runs train; extract's default is fp32)")
+    plan.add_argument("--stack", default="eager", help=STACK_HELP)
     plan.add_argument("--top", type=int, default=10, help="layouts listed (default 10; 0 = all that fit)")
     plan.add_argument("--workers", type=int, default=None, help="local processes (default: one per core)")
     plan.add_argument("--ray", default=None, metavar="ADDRESS",
@@ -139,6 +141,11 @@ def _out_dir(text: str) -> Path:
     if not text.strip():
         raise argparse.ArgumentTypeError("--out is empty; give a folder name, e.g. --out outputs/run1")
     return Path(text)
+
+
+STACK_HELP = ("execution stack whose kernels and saved activations are costed: eager (HF eager PyTorch, "
+              "default), fused (Megatron-LM / Transformer Engine fused kernels), compiled (torch.compile: "
+              "AOTAutograd's partitioner, inductor's fusion)")
 
 
 def _add_step_arguments(parser: argparse.ArgumentParser, model_help: str) -> None:
@@ -239,7 +246,7 @@ def run_extract(args) -> int:
     result = extract(args.model, batch=args.batch, seq=args.seq, dtype=args.dtype, grad_dtype=args.grad_dtype,
                      device=args.device, size_unit=args.size_unit, trace_on=args.trace_on,
                      use_cache=not args.no_cache, every_layer=args.every_layer, progress=True, parallel=parallel,
-                     name=args.name)
+                     name=args.name, stack=args.stack)
     summary = result.summary(args.top, formats)
     return _publish(args.out or Path("outputs") / result.name, summary, result.files(formats), result.settings)
 
@@ -358,11 +365,11 @@ def run_plan(args) -> int:
         raise UserError(f"--workers must be at least 1, got {args.workers}")
     _quiet_transformers()
     result = plan(args.model, gpus=args.gpus, global_batch=args.global_batch, seq=args.seq, device=args.device,
-                  dtype=args.dtype, workers=args.workers, ray=args.ray, progress=True)
+                  dtype=args.dtype, workers=args.workers, ray=args.ray, progress=True, stack=args.stack)
     text = plan_text(result, args.top)
     out = args.out or Path("outputs") / f"{result['model']}-plan-{args.gpus}"
     return _publish(out, text, {"plan.json": json.dumps(result, indent=1, sort_keys=True) + "\n", "plan.txt": text},
-                    {k: result[k] for k in ("model", "gpus", "global_batch", "seq", "dtype", "device")})
+                    {k: result[k] for k in ("model", "gpus", "global_batch", "seq", "dtype", "device", "stack")})
 
 
 def run_calibrate(args) -> int:

@@ -35,6 +35,7 @@ from .parallel.recompute import with_recompute
 from .parallel.sequence_parallel import with_sequence_parallel
 from .progress import say as print_progress
 from .workload import cache as graph_cache
+from .workload.stacks import check_stack
 from .workload.table import Workload, recost
 
 
@@ -152,17 +153,20 @@ class Extraction:
 def extract(model: str, batch: int = 1, seq: int | None = None, dtype: str = "fp32",
             grad_dtype: str | None = None, device: str = "a100-80gb", size_unit: str = "bytes",
             trace_on: str = "auto", use_cache: bool = True, every_layer: bool = False,
-            progress: bool = False, parallel: Parallel | None = None, name: str | None = None) -> Extraction:
+            progress: bool = False, parallel: Parallel | None = None, name: str | None = None,
+            stack: str = "eager") -> Extraction:
     """One training step of ``model`` (a built-in name, checkpoint folder, config.json or cached
     HuggingFace id), costed on ``device``; ``name`` replaces the model's name in the outputs.
     ``trace_on`` is whose dispatch the graph follows: ``auto`` (the device profile's: a GPU profile
     records the fused attention kernel that GPU would choose), ``cpu`` or ``cuda`` (no GPU needed);
     ``every_layer`` traces all layers even where one layer could stand for all (see layers.py);
-    ``batch`` is the micro-batch of one rank; with tp or ep > 1 the rank's share of the model is traced."""
+    ``batch`` is the micro-batch of one rank; with tp or ep > 1 the rank's share of the model is traced;
+    ``stack`` the execution stack whose kernels and saved activations are costed (workload/stacks.py)."""
     grad_dtype = dtype if grad_dtype is None else grad_dtype
     parallel = parallel or Parallel()
     check_settings(batch, seq, dtype, grad_dtype)
     check_values(parallel)
+    check_stack(stack)
     if name is not None:
         check_name(name, "--name")
     profile = load_device(device, say=print_progress if progress else None)
@@ -175,14 +179,14 @@ def extract(model: str, batch: int = 1, seq: int | None = None, dtype: str = "fp
     name = located_name if name is None else name
     cache_key = graph_cache.key(_raw_config(config_path), batch, seq, dtype, grad_dtype, traced_on,
                                 shards=(parallel.tp, parallel.ep), vocab_multiple=parallel.vocab_multiple,
-                                every_layer=every_layer)
+                                every_layer=every_layer, stack=stack)
     cached = graph_cache.load(cache_key) if use_cache else None
     if cached is not None and isinstance(cached.facts, ModelFacts):
         say(f"read the captured step from the cache ({graph_cache.path_of(cache_key)})")
         check_parallel(parallel, cached.facts)
         workload, seq, facts = cached.workload, cached.seq, cached.facts
     else:
-        workload, seq, facts = _capture(model, batch, seq, dtype, grad_dtype, gpu, every_layer, say, parallel)
+        workload, seq, facts = _capture(model, batch, seq, dtype, grad_dtype, gpu, every_layer, say, parallel, stack)
         say(f"captured {len(workload.ops())} ops in {time.perf_counter() - start:.1f} s")
         if use_cache:
             graph_cache.save(cache_key, graph_cache.CachedStep(workload=workload, seq=seq, facts=facts))
@@ -195,7 +199,7 @@ def extract(model: str, batch: int = 1, seq: int | None = None, dtype: str = "fp
     layer_input_bytes = batch * seq * facts.hidden * DTYPES[dtype].itemsize // (parallel.tp if parallel.sp else 1)
     workload, regenerated_bytes = with_recompute(workload, parallel, facts.stack, facts.layers, layer_input_bytes)
     settings = {"model": facts.name, "model_type": facts.model_type, "task": facts.task,
-                "batch": batch, "seq": seq, "dtype": dtype, "grad_dtype": grad_dtype, "device": profile.name,
+                "batch": batch, "seq": seq, "dtype": dtype, "stack": stack, "grad_dtype": grad_dtype, "device": profile.name,
                 "traced_on": traced_on, "size_unit": size_unit, "parallel": parallel.as_dict(),
                 "fxworkload_version": __version__, "torch_version": torch.__version__,
                 "transformers_version": metadata.version("transformers")}
@@ -225,7 +229,7 @@ def _raw_config(path) -> dict:
     return data if isinstance(data, dict) else {"not_an_object": str(path)}
 
 
-def _capture(model, batch, seq, dtype, grad_dtype, gpu, every_layer, say, parallel):
+def _capture(model, batch, seq, dtype, grad_dtype, gpu, every_layer, say, parallel, stack):
     """Resolve with transformers, check the layout, and capture: (workload, seq, facts)."""
     from .capture import models
     from .capture.models import step_seq
@@ -251,7 +255,7 @@ def _capture(model, batch, seq, dtype, grad_dtype, gpu, every_layer, say, parall
     if not every_layer and facts.layers > max(SHORT_LAYERS):
         say(f"capturing one training step (batch {batch}, seq {seq}) of 4- and 5-layer copies...")
         # The whole model is sharded only if it is traced: its layers are alike sharded or not.
-        workload = fast_workload(spec, module, batch, seq, DTYPES[dtype], DTYPES[grad_dtype], gpu, prepare)
+        workload = fast_workload(spec, module, batch, seq, DTYPES[dtype], DTYPES[grad_dtype], gpu, prepare, stack)
         if workload is not None:
             return workload, seq, facts
         say("its layers differ: capturing every layer...")
@@ -259,7 +263,7 @@ def _capture(model, batch, seq, dtype, grad_dtype, gpu, every_layer, say, parall
         say(f"capturing one training step (batch {batch}, seq {seq}), every layer...")
     module = prepare(module)
     capture = capture_training_step(module, batch, seq, gpu=gpu)
-    return build(capture, module, None, DTYPES[grad_dtype]), seq, facts
+    return build(capture, module, None, DTYPES[grad_dtype], stack), seq, facts
 
 
 def _with_padded_vocab(spec, vocab_multiple: int, tp: int):

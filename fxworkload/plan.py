@@ -90,7 +90,8 @@ def _divisors(n: int) -> list[int]:
     return sorted({*small, *(n // d for d in small)})
 
 
-def evaluate_shape(model: str, shape: Shape, layouts: list, seq: int, dtype: str, device: str) -> list[dict]:
+def evaluate_shape(model: str, shape: Shape, layouts: list, seq: int, dtype: str, device: str,
+                   stack: str = "eager") -> list[dict]:
     """Capture (or read from the cache) one rank shape and evaluate each of its layouts."""
     from .cluster.step import cluster_step
     from .dtypes import DTYPES
@@ -99,7 +100,7 @@ def evaluate_shape(model: str, shape: Shape, layouts: list, seq: int, dtype: str
     from .pipeline import extract
 
     first = layouts[0]
-    base = extract(model, batch=shape.micro_batch, seq=seq, dtype=dtype, device=device,
+    base = extract(model, batch=shape.micro_batch, seq=seq, dtype=dtype, device=device, stack=stack,
                    parallel=replace(first, pp=1, vpp=1, pp_layers=None, micro_batches=1, zero=0, recompute="none",
                                     recompute_layers=None))
     facts, captured, profile = base.facts, base.model_workload, base.device
@@ -129,10 +130,12 @@ def evaluate_shape(model: str, shape: Shape, layouts: list, seq: int, dtype: str
 
 
 def plan(model: str, gpus: int, global_batch: int, seq: int, device: str = "h100-sxm", dtype: str = "bf16",
-         workers: int | None = None, ray: str | None = None, progress: bool = False) -> dict:
+         workers: int | None = None, ray: str | None = None, progress: bool = False, stack: str = "eager") -> dict:
     from .pipeline import load_device
+    from .workload.stacks import check_stack
 
     check_plan_counts(gpus, global_batch)
+    check_stack(stack)
     profile = load_device(device)
     if not (profile.intra_node_bytes_per_s and profile.inter_node_bytes_per_s and profile.memory_capacity_bytes):
         raise UserError(f"device '{profile.name}' lacks interconnect or memory figures a plan needs; use a GPU "
@@ -144,11 +147,11 @@ def plan(model: str, gpus: int, global_batch: int, seq: int, device: str = "h100
                         f"parallelism must divide its {facts.heads} heads within a node of {profile.gpus_per_node}, "
                         f"pipeline stages its {facts.layers} layers, and data parallelism x micro-batch the global "
                         "batch; choose a GPU count and batch those divide")
-    rows = _run(model, groups, seq, dtype, device, workers, ray, progress)
+    rows = _run(model, groups, seq, dtype, device, workers, ray, progress, stack)
     fitting = sorted((r for r in rows if r["fits"]), key=lambda r: (r["step_ms"], -r["mfu"]))
     dropped["does not fit in memory"] = sum(1 for r in rows if not r["fits"])
     return {"model": facts.name, "gpus": gpus, "global_batch": global_batch, "seq": seq, "dtype": dtype,
-            "device": profile.name, "evaluated": len(rows), "shapes": len(groups), "dropped": dropped,
+            "stack": stack, "device": profile.name, "evaluated": len(rows), "shapes": len(groups), "dropped": dropped,
             "ranked": fitting}
 
 
@@ -166,7 +169,7 @@ def _facts(model: str, dtype: str):
     return model_facts(spec, models.build_meta_model(spec, DTYPES[dtype]))
 
 
-def _run(model, groups, seq, dtype, device, workers, ray_address, progress) -> list[dict]:
+def _run(model, groups, seq, dtype, device, workers, ray_address, progress, stack) -> list[dict]:
     from tqdm import tqdm
 
     bar = tqdm(total=sum(len(v) for v in groups.values()), unit="layout", leave=False,
@@ -175,7 +178,7 @@ def _run(model, groups, seq, dtype, device, workers, ray_address, progress) -> l
     if ray_address is not None:
         ray = _ray(ray_address)
         task = ray.remote(evaluate_shape)
-        pending = {task.remote(model, shape, layouts, seq, dtype, device): len(layouts)
+        pending = {task.remote(model, shape, layouts, seq, dtype, device, stack): len(layouts)
                    for shape, layouts in groups.items()}
         while pending:
             ready, _ = ray.wait(list(pending), num_returns=1)
@@ -183,7 +186,7 @@ def _run(model, groups, seq, dtype, device, workers, ray_address, progress) -> l
             bar.update(pending.pop(ready[0]))
     else:
         count = workers or min(len(groups), os.cpu_count() or 1)
-        tasks = [(model, shape, layouts, seq, dtype, device) for shape, layouts in groups.items()]
+        tasks = [(model, shape, layouts, seq, dtype, device, stack) for shape, layouts in groups.items()]
         # Pool.__exit__ terminates the workers: Ctrl-C, SIGTERM (Terminated) or an error here ends them at once
         total = sum(len(v) for v in groups.values())
         lines = progress and not on_terminal()  # a log gets a line at least every 10 s instead of the bar

@@ -25,6 +25,7 @@ from torch.overrides import TorchFunctionMode
 aten = torch.ops.aten
 
 CUDNN, FLASH, EFFICIENT, MATH, CPU_FLASH = "cudnn", "flash", "efficient", "math", "cpu_flash"
+EAGER = "eager"  # transformers' own eager attention (matmul, softmax, dropout, matmul), outside SDPA
 BACKEND_KEY = "fxworkload_sdpa_backend"  # key of node.meta["custom"]
 
 # Backend of each fused aten op (forward and backward) as it appears in a graph.
@@ -230,6 +231,31 @@ def _tagged(backend: str):
         yield
     finally:
         meta["custom"] = custom if custom is not None else {}
+
+
+@contextlib.contextmanager
+def eager_attention_tagged(model: torch.nn.Module):
+    """Tag the ops of transformers' ``eager_attention_forward`` (attn_implementation "eager") as the
+    attention core, as SDPA's ops are: what selective recomputation runs again."""
+    import sys
+
+    modules = {sys.modules.get(type(m).__module__) for m in model.modules()}
+    patched = [(module, module.eager_attention_forward) for module in modules
+               if callable(getattr(module, "eager_attention_forward", None))]
+
+    def tagging(function):
+        def tagged(*args, **kwargs):
+            with _tagged(EAGER):
+                return function(*args, **kwargs)
+        return tagged
+
+    for module, function in patched:
+        module.eager_attention_forward = tagging(function)
+    try:
+        yield
+    finally:
+        for module, function in patched:
+            module.eager_attention_forward = function
 
 
 @contextlib.contextmanager

@@ -24,7 +24,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from ..errors import UserError
-from .attention import GpuTarget, dispatch_for
+from .attention import GpuTarget, dispatch_for, eager_attention_tagged
 
 FORWARD = "forward"
 INPUT_GRAD = "input_grad"
@@ -73,7 +73,7 @@ def capture_training_step(model: torch.nn.Module, batch: int, seq: int, device: 
         return loss, grads
 
     with fx_traceback.preserve_node_meta(), _module_stack_recorder(model), _trace_friendly(model), \
-            dispatch_for(gpu):
+            dispatch_for(gpu), eager_attention_tagged(model):
         try:
             gm = make_fx(training_step, tracing_mode="fake")(values, input_ids)
         except Exception as exc:  # any failure inside the model's own code

@@ -9,6 +9,7 @@ from dataclasses import asdict, fields
 from tabulate import tabulate
 
 from ..capture.trace import PHASES
+from ..workload.stacks import STACKS
 from ..workload.table import GradRow, NodeRow, OpCost, Workload
 
 TSV_COLUMNS = ["name", "forward_compute_time", "forward_comm_type", "forward_comm_size",
@@ -113,6 +114,8 @@ def summary_text(workload: Workload, settings: dict, top: int = 10) -> str:
         ["model", settings["model"]],
         ["device", settings["device"]],
         ["dtype / grad dtype", f"{settings['dtype']} / {settings['grad_dtype']}"],
+        ["execution stack (--stack)", f"{settings.get('stack', 'eager')}: {STACKS[settings.get('stack', 'eager')].source}"],
+        ["recomputation (--recompute)", _recompute_text(p)],
         [f"trainable parameters ({scope})", f"{totals['parameter_count']:,}"],
         ["tokens per micro-batch (batch x seq)", f"{tokens:,} ({settings['batch']} x {settings['seq']}){per_step}"],
         [f"gradient bytes ({scope})", f"{totals['gradient_bytes']:,}"],
@@ -277,6 +280,14 @@ def kernel_check_text(check: dict) -> str:
             f"kernels per step ({100 * check['agreement']:.2f} %): {verdict} within {100 * check['tolerance']:g} %")
 
 
+def _recompute_text(p: dict) -> str:
+    text = {"none": "none: every saved activation kept", "selective": "selective: the attention core runs again "
+            "in backward (Megatron-LM)", "full": "full: each layer keeps its input and runs again in backward"}
+    layers = "" if p["recompute"] == "none" or p["recompute_layers"] is None else (
+        f", first {p['recompute_layers']} layers of each stage")
+    return text[p["recompute"]] + layers
+
+
 def plan_text(result: dict, top: int = 10) -> str:
     """The layouts that fit, fastest first, and why the others were dropped."""
     ranked = result["ranked"] if top <= 0 else result["ranked"][:top]
@@ -286,7 +297,7 @@ def plan_text(result: dict, top: int = 10) -> str:
              f"{r['exposed_gather_ms']:.1f}" if r["zero"] == 3 else "-",
              f"{r['peak_bytes'] / 2 ** 30:.1f}"] for i, r in enumerate(ranked)]
     head = (f"{result['model']} on {result['gpus']} x {result['device']}, global batch {result['global_batch']} x seq "
-            f"{result['seq']}, {result['dtype']}: {result['evaluated']:,} layouts evaluated from {result['shapes']} "
+            f"{result['seq']}, {result['dtype']}, stack {result['stack']}: {result['evaluated']:,} layouts evaluated from {result['shapes']} "
             f"captured rank shapes, {len(result['ranked']):,} fit")
     dropped = "\n".join(f"dropped: {count:,} {why}" for why, count in result["dropped"].items() if count)
     table = tabulate(rows, headers=["#", "tp", "pp", "vpp", "dp", "ep", "sp", "zero", "recompute", "mbs", "mb",

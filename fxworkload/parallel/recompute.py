@@ -1,7 +1,9 @@
 """Activation recomputation with Megatron-LM's meanings (``--recompute-granularity``).
 
 - ``selective``: the attention core (the ops of a scaled-dot-product attention: a fused kernel, or
-  the math path's matmuls, softmax and dropout) is run again in backward; what it saved is dropped.
+  the math path's matmuls, softmax and dropout, or transformers' eager attention) is run again in
+  backward; what it saved is dropped and what it is re-made from (its inputs, Q, K and V) is kept:
+  each row's ``selective_saved_bytes``, read off the graph with the core's ops not kept.
 - ``full``: each recomputed layer keeps only its input (batch x seq x hidden, 1/tp of it with
   sequence parallelism); its whole forward runs again in backward.
 
@@ -50,13 +52,12 @@ def with_recompute(workload: Workload, parallel: Parallel, stack: str | None, la
             rows.append(row)
             continue
         recomputed = parallel.recompute == "full" or row.forward.sdpa_backend is not None
-        if not recomputed:
-            rows.append(row)
-            continue
-        saved = 0
+        saved = row.selective_saved_bytes if parallel.recompute == "selective" else 0
         if parallel.recompute == "full" and layer not in seen_layers:
             saved = layer_input_bytes  # the layer's first row carries its kept input
             seen_layers.add(layer)
-        dropped[layer] = dropped.get(layer, 0) + row.saved_bytes
-        rows.append(replace(row, input_grad=[again(row.forward), *row.input_grad], saved_bytes=saved))
+        dropped[layer] = dropped.get(layer, 0) + row.saved_bytes - saved
+        again_first = [again(row.forward)] if recomputed else []
+        rows.append(replace(row, input_grad=again_first + row.input_grad, saved_bytes=saved))
     return replace(workload, rows=rows), max(dropped.values(), default=0)
+

@@ -45,7 +45,8 @@ def with_sequence_parallel(workload: Workload, parallel: Parallel, stack: str | 
             outside = False
         if outside:
             row = replace(row, forward=share(row.forward), input_grad=[share(op) for op in row.input_grad],
-                          weight_grad=[share(op) for op in row.weight_grad], saved_bytes=row.saved_bytes // tp)
+                          weight_grad=[share(op) for op in row.weight_grad], saved_bytes=row.saved_bytes // tp,
+                          selective_saved_bytes=row.selective_saved_bytes // tp)
         rows.append(row)
         previous = row
     # The step's peaks were read off the whole-sequence graph: they hold the same saves, less now.

@@ -2,7 +2,7 @@
 
 What is cached is the device-free table (rows, ops with FLOPs, bytes, shapes; no times), keyed by
 everything that shapes it: the config.json as read (which decides the task), batch, seq, dtype, gradient dtype, the device
-the trace dispatched for, the fxworkload, torch and transformers versions, and a hash of this
+the trace dispatched for, the execution stack, the fxworkload, torch and transformers versions, and a hash of this
 package's own source (so a changed FLOP rule never reads a stale entry). Entries are pickles
 written by this package into the user's own cache folder.
 """
@@ -34,12 +34,13 @@ class CachedStep:
 
 
 def key(config: dict, batch: int, seq: int | None, dtype: str, grad_dtype: str, trace_device: str,
-        shards: tuple[int, int] = (1, 1), vocab_multiple: int = 1, every_layer: bool = False) -> str:
+        shards: tuple[int, int] = (1, 1), vocab_multiple: int = 1, every_layer: bool = False,
+        stack: str = "eager") -> str:
     """``config``: the config.json as read (a dict), so that a cached run needs no transformers.
     ``shards``: the tensor- and expert-parallel degrees the traced model was split by."""
     material = json.dumps({"config": config, "batch": batch, "seq": seq, "dtype": dtype,
                            "grad_dtype": grad_dtype, "trace_device": trace_device, "shards": list(shards),
-                           "vocab_multiple": vocab_multiple, "every_layer": every_layer,
+                           "vocab_multiple": vocab_multiple, "every_layer": every_layer, "stack": stack,
                            "fxworkload": __version__, "torch": metadata.version("torch"),
                            "transformers": metadata.version("transformers"), "code": _code_hash()},
                           sort_keys=True, default=str)

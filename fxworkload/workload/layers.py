@@ -32,7 +32,8 @@ _SKIPPED_ATTRIBUTES = re.compile(r"layer_idx|layer_id|layer_number|layer_index|t
 
 def fast_workload(spec, model: torch.nn.Module, batch: int, seq: int, dtype: torch.dtype,
                   grad_dtype: torch.dtype, gpu: GpuTarget | None = None,
-                  prepare: Callable[[torch.nn.Module], torch.nn.Module] = lambda m: m) -> Workload | None:
+                  prepare: Callable[[torch.nn.Module], torch.nn.Module] = lambda m: m,
+                  execution_stack: str = "eager") -> Workload | None:
     """The device-free table of the full model from 4- and 5-layer captures, or None if layers differ.
     ``prepare`` turns each freshly built short model into what is traced (one parallel rank's share)."""
     from ..capture.models import setting  # transformers: only when capturing
@@ -41,7 +42,8 @@ def fast_workload(spec, model: torch.nn.Module, batch: int, seq: int, dtype: tor
     stack = layer_stack(model, layers)
     if layers <= max(SHORT_LAYERS) or stack is None or not homogeneous(model.get_submodule(stack)):
         return None
-    shorts = [_short_workload(spec, n, batch, seq, dtype, grad_dtype, gpu, prepare) for n in SHORT_LAYERS]
+    shorts = [_short_workload(spec, n, batch, seq, dtype, grad_dtype, gpu, prepare, execution_stack)
+              for n in SHORT_LAYERS]
     tables = [_split(short.rows, stack, n) for short, n in zip(shorts, SHORT_LAYERS)]
     if any(table is None for table in tables) or not _consistent(tables, stack):
         return None
@@ -59,14 +61,14 @@ def _extrapolated(shorts: list[Workload], figure: str, layers: int) -> int:
     return low + (layers - SHORT_LAYERS[0]) * (high - low)
 
 
-def _short_workload(spec, layers, batch, seq, dtype, grad_dtype, gpu, prepare) -> Workload:
+def _short_workload(spec, layers, batch, seq, dtype, grad_dtype, gpu, prepare, execution_stack) -> Workload:
     from ..capture import models  # transformers: only when capturing
 
     short_spec = models.ModelSpec(name=spec.name, config=_short_config(spec.config, layers), task=spec.task,
                                   folder=spec.folder)
     short_model = prepare(models.build_meta_model(short_spec, dtype))
     capture = capture_training_step(short_model, batch, seq, gpu=gpu)
-    return build(capture, short_model, None, grad_dtype)
+    return build(capture, short_model, None, grad_dtype, execution_stack)
 
 
 def _consistent(tables, stack: str) -> bool:

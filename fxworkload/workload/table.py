@@ -18,7 +18,10 @@ from ..cost.optime import attention_facts, gpu_op_ns
 from ..cost.roofline import estimate_ns
 from ..cost.traffic import bytes_moved, is_alias
 from ..dtypes import DTYPE_NAMES
-from .memory import activation_memory
+from .fusion import Regions, made_from, regions, traffic_bytes
+from .memory import SavePolicy, activation_memory
+from .partition import partitioner_saved
+from .stacks import STACKS
 
 
 @dataclass(frozen=True)
@@ -42,6 +45,8 @@ class OpCost:
     attention: dict | None = None  # a fused attention kernel: backend, shapes, is_causal, has_mask, dropout
     sdpa_backend: str | None = None  # the SDPA implementation this op belongs to (cudnn, flash, efficient, math...)
     dispatch_ns: float = 0.0  # host (CPU) time to issue it in an eager step; 0 where not modelled
+    fused_ops: int = 0  # a fused kernel's op (--stack fused/compiled): the aten ops the kernel runs; 0: not one
+    fused: bool = False  # runs inside another op's fused kernel, whose flops, bytes and time hold it
 
 
 @dataclass
@@ -53,6 +58,7 @@ class NodeRow:
     input_grad: list[OpCost] = field(default_factory=list)
     weight_grad: list[OpCost] = field(default_factory=list)
     saved_bytes: int = 0  # of the storages this node creates, those backward reads (held forward to backward)
+    selective_saved_bytes: int = 0  # the same when its layer's attention core is recomputed (--recompute selective)
 
     def ops(self, phase: str) -> list[OpCost]:
         """This row's ops of one phase: its forward op, or the backward ops autograd ran for it."""
@@ -144,15 +150,25 @@ class Workload:
         return out
 
 
-def build(capture: Capture, model: torch.nn.Module, device: DeviceProfile | None, grad_dtype: torch.dtype) -> Workload:
-    """The table of one captured step; with no device, every estimated time is 0 (rows and sizes only)."""
+def build(capture: Capture, model: torch.nn.Module, device: DeviceProfile | None, grad_dtype: torch.dtype,
+          stack: str = "eager") -> Workload:
+    """The table of one captured step as ``stack`` runs it (workload/stacks.py); with no device, every
+    estimated time is 0 (rows and sizes only)."""
     costs = {node: cost_of(node, phase, device) for node, phase in capture.phase.items()}
+    keep = None
+    if STACKS[stack].fuses_pointwise:
+        found = regions(capture)
+        keep = SavePolicy(found, partitioner_saved(capture) if STACKS[stack].keeps == "partitioner" else None)
+        costs = _fused_costs(costs, found, device)
     forward_nodes = [n for n, phase in capture.phase.items() if phase == FORWARD]
     main_ops = _main_ops(forward_nodes, capture.module, costs, model)
     names = _row_names(forward_nodes, capture.module, main_ops)
-    memory = activation_memory(capture)
+    memory = activation_memory(capture, keep)
+    core = [n for n in forward_nodes if costs[n].sdpa_backend]  # the attention core: what selective recomputes
+    selective = activation_memory(capture, (keep or SavePolicy()).recomputing(core)) if core else memory
     rows = {n: NodeRow(name=names[n], module=capture.module[n], forward=costs[n],
-                       saved_bytes=memory.saved_bytes.get(n, 0)) for n in forward_nodes}
+                       saved_bytes=memory.saved_bytes.get(n, 0),
+                       selective_saved_bytes=selective.saved_bytes.get(n, 0)) for n in forward_nodes}
     _dedupe_names(list(rows.values()))
     for node, owner in capture.owner.items():
         row = rows[owner]
@@ -167,6 +183,23 @@ def build(capture: Capture, model: torch.nn.Module, device: DeviceProfile | None
         table.extend(leftover)
     return Workload.of_rows(table, grad_dtype, step_peak_bytes=memory.step_peak_bytes,
                             activation_peak_bytes=memory.activation_peak_bytes)
+
+
+def _fused_costs(costs: dict, found: Regions, device: DeviceProfile | None) -> dict:
+    """Each region's kernel on its lead op (its flops, the bytes the one kernel moves); its other ops
+    marked as run inside it."""
+    costs = dict(costs)
+    for region, members in found.members.items():
+        lead = found.lead(region)
+        kernels = [n for n in members if not is_alias(n.target)]
+        fused = replace(costs[lead], flops=sum(costs[n].flops for n in kernels), fused_ops=len(kernels),
+                        bytes=traffic_bytes(region, found, read_as=functools.partial(made_from, regions=found)))
+        costs[lead] = fused if device is None else replace(fused, estimated_ns=op_estimate_ns(fused, device),
+                                                           dispatch_ns=op_dispatch_ns(fused, device))
+        for node in kernels:
+            if node is not lead:
+                costs[node] = replace(costs[node], flops=0, bytes=0, estimated_ns=0.0, dispatch_ns=0.0, fused=True)
+    return costs
 
 
 def recost(workload: Workload, device: DeviceProfile) -> Workload:

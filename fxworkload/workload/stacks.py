@@ -1,0 +1,45 @@
+"""The execution stacks a step can be costed for: which ops run as one kernel and what is kept for
+backward. Each stack's choices are data here, with the source they follow.
+
+- ``eager``: PyTorch eager as the HuggingFace model runs it: one kernel per aten op; autograd keeps
+  what each op's derivative formula reads (tools/autograd/derivatives.yaml).
+- ``fused``: Megatron-LM / Transformer Engine's fused kernels: each pointwise chain between GEMM
+  and attention kernels is one kernel (bias_gelu, bias_dropout_add, FusedScaleMaskSoftmax, fused
+  layer/RMS norm, SwiGLU), reading its outside inputs once and writing what leaves it once; its
+  backward re-makes the chain's internal values from the chain's kept inputs (Megatron-LM
+  megatron/core/fusions/fused_bias_gelu.py keeps the GEMM output, not GeLU's intermediates), and
+  dropout masks are kept (1 byte per element, as Korthikanti et al. 2022 count them).
+- ``compiled``: ``torch.compile`` (AOTAutograd + inductor): what is kept is what AOTAutograd's
+  ``min_cut_rematerialization_partition`` chooses on the step's joint graph; inductor fuses the
+  same pointwise chains (and re-makes the rest inside backward's fused kernels).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+STACK_NAMES = ("eager", "fused", "compiled")
+
+
+@dataclass(frozen=True)
+class Stack:
+    name: str
+    fuses_pointwise: bool  # pointwise chains between GEMM/attention kernels run as one kernel each
+    keeps: str  # "autograd": what eager autograd keeps; "fused": fused kernels' inputs; "partitioner": AOTAutograd's choice
+    source: str
+
+
+STACKS = {
+    "eager": Stack("eager", False, "autograd", "PyTorch eager; autograd's derivatives.yaml"),
+    "fused": Stack("fused", True, "fused", "Megatron-LM / Transformer Engine fused kernels (megatron/core/fusions)"),
+    "compiled": Stack("compiled", True, "partitioner",
+                      "torch.compile: AOTAutograd min_cut_rematerialization_partition + inductor fusion"),
+}
+
+
+def check_stack(name: str) -> Stack:
+    from ..errors import UserError
+
+    if name not in STACKS:
+        raise UserError(f"unknown --stack {name!r}: use one of {', '.join(STACK_NAMES)}")
+    return STACKS[name]
