@@ -21,7 +21,10 @@ which Korthikanti et al.'s selective recomputation runs again. Narayanan et al.'
 recomputation is used for those rows. The paper predates sequence parallelism (Korthikanti et al.
 2022) and Megatron-LM's distributed optimizer (added after it), so its rows run tensor parallelism
 with all-reduces (layer norms and dropouts on every tensor-parallel rank) and a plain data-parallel
-all-reduce (ZeRO 0); the Llama 3 rows use sequence parallelism and ZeRO 1. Left unsaid by the
+all-reduce (ZeRO 0) that starts when backward ends (Megatron-LM overlapped it with backward only
+from 2023, ``--overlap-grad-reduce``, still off by default); the Llama 3 rows use sequence
+parallelism, ZeRO 1 and fp32 gradients (the paper's section 3.3.2, "Numerical stability": gradients accumulated over
+micro-batches and reduce-scattered in FP32). Left unsaid by the
 papers and chosen here as plan would: the micro-batch size (1, 2 or 4), the virtual stages of the
 interleaved schedule (1, 2 or 4 where they divide), recomputation for Llama 3 (none, selective or
 full), and for Llama 3 the uneven first and last stages (126 layers on 16 stages: 7, 8 x 14, 7,
@@ -88,7 +91,7 @@ def megatron_row(name: str, root: Path) -> list:
     folder = gpt_folder(root, name, layers, hidden, heads)
     dp = gpus // (tp * pp)
     best = best_layout(folder, tp, pp, dp, batch, 2048, "fp16", "a100-80gb", layers,
-                       recompute=("full",), pp_layers=None, sp=False, zero=0)
+                       recompute=("full",), pp_layers=None, sp=False, zero=0, overlap_grad_reduce=False)
     seq, vocab = 2048, 51200
     paper_flops = 96 * batch * seq * layers * hidden ** 2 * (1 + seq / (6 * hidden) + vocab / (16 * layers * hidden))
     ours = paper_flops / (best["step_ms"] / 1e3) / gpus / 1e12
@@ -118,24 +121,25 @@ def llama_row(name: str, root: Path) -> list:
     if not folder.exists():
         LlamaConfig(**{k: v for k, v in LLAMA_405B.items() if k != "model_type"}).save_pretrained(folder)
     best = best_layout(str(folder), tp, pp, dp, dp * per_dp, 8192, "bf16", "h100-sxm", 126,
-                       recompute=("none", "selective", "full"), pp_layers=(7, *[8] * 14, 7), sp=True, zero=1)
+                       recompute=("none", "selective", "full"), pp_layers=(7, *[8] * 14, 7), sp=True, zero=1,
+                       grad_dtype="fp32")
     return [f"Llama 3 {name}", f"tp{tp} pp{pp} dp{dp}", tp * pp * dp, describe(best), published,
             f"{best['tflops_per_gpu']:.0f}", f"{100 * (best['tflops_per_gpu'] / published - 1):+.1f}%"]
 
 
 def best_layout(model, tp, pp, dp, batch, seq, dtype, device, layers, recompute, pp_layers, sp, zero,
-                micro_batches=(1, 2, 4)) -> dict:
+                micro_batches=(1, 2, 4), overlap_grad_reduce=True, grad_dtype=None) -> dict:
     rows = []
     for micro_batch in micro_batches:
         if batch % (dp * micro_batch):
             continue
         m = batch // (dp * micro_batch)
         layouts = [Parallel(tp=tp, pp=pp, dp=dp, sp=sp and tp > 1, micro_batches=m, zero=zero, recompute=r, vpp=v,
-                            pp_layers=pp_layers)
+                            pp_layers=pp_layers, overlap_grad_reduce=overlap_grad_reduce)
                    for r, v in itertools.product(recompute, (1, 2, 4))
                    if v == 1 or (pp > 1 and m % pp == 0 and (min(pp_layers) >= v if pp_layers
                                                             else layers % (pp * v) == 0))]
-        rows += evaluate_shape(model, Shape(tp, 1, micro_batch), layouts, seq, dtype, device, STACK)
+        rows += evaluate_shape(model, Shape(tp, 1, micro_batch), layouts, seq, dtype, device, STACK, grad_dtype)
     fitting = [r for r in rows if r["fits"]] or rows
     return min(fitting, key=lambda r: r["step_ms"]) | {"any_fits": any(r["fits"] for r in rows)}
 

@@ -177,8 +177,10 @@ def _add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
                        help="pad the vocabulary to a multiple of this x tp, as Megatron-LM's "
                             "--make-vocab-size-divisible-by (default 1: no padding)")
     group.add_argument("--recompute", default="none",
-                       help="activation recomputation as Megatron-LM: none (default), selective (the attention "
-                            "core runs again in backward), full (each layer keeps only its input)")
+                       help="activation recomputation: none (default); Megatron-LM's selective (the attention "
+                            "core runs again in backward) and full (each layer keeps only its input); op "
+                            "(torchtitan's op-level checkpointing: GEMM and attention outputs kept, every second "
+                            "GEMM and everything else run again)")
     group.add_argument("--recompute-layers", type=int, default=None,
                        help="recompute only the first N layers of each pipeline stage (default: all)")
     group.add_argument("--vpp", type=int, default=1,
@@ -186,6 +188,9 @@ def _add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--keep-gathered", action="store_true",
                        help="with --zero 3: keep each unit's gathered parameters from forward to backward (FSDP2's "
                             "reshard_after_forward=False; default: free them and gather again, as FSDP and ZeRO-3 do)")
+    group.add_argument("--grad-reduce-after-backward", action="store_true",
+                       help="start the gradients' data-parallel reduction when backward ends (Megatron-LM without "
+                            "--overlap-grad-reduce; default: bucket by bucket during backward, as PyTorch DDP)")
 
 
 def _parallel(args):
@@ -199,7 +204,8 @@ def _parallel(args):
                     zero=args.zero, bucket_mb=args.bucket_mb, pp_layers=pp_layers, stage=args.stage,
                     vocab_multiple=args.vocab_multiple, recompute=args.recompute,
                     recompute_layers=args.recompute_layers, vpp=args.vpp,
-                    reshard_after_forward=not args.keep_gathered)
+                    reshard_after_forward=not args.keep_gathered,
+                    overlap_grad_reduce=not args.grad_reduce_after_backward)
 
 
 def _formats(text: str) -> list[str]:

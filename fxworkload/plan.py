@@ -91,7 +91,7 @@ def _divisors(n: int) -> list[int]:
 
 
 def evaluate_shape(model: str, shape: Shape, layouts: list, seq: int, dtype: str, device: str,
-                   stack: str = "eager") -> list[dict]:
+                   stack: str = "eager", grad_dtype: str | None = None) -> list[dict]:
     """Capture (or read from the cache) one rank shape and evaluate each of its layouts."""
     from .cluster.step import cluster_step
     from .dtypes import DTYPES
@@ -100,7 +100,8 @@ def evaluate_shape(model: str, shape: Shape, layouts: list, seq: int, dtype: str
     from .pipeline import extract
 
     first = layouts[0]
-    base = extract(model, batch=shape.micro_batch, seq=seq, dtype=dtype, device=device, stack=stack,
+    grad_dtype = grad_dtype or dtype
+    base = extract(model, batch=shape.micro_batch, seq=seq, dtype=dtype, grad_dtype=grad_dtype, device=device, stack=stack,
                    parallel=replace(first, pp=1, vpp=1, pp_layers=None, micro_batches=1, zero=0, recompute="none",
                                     recompute_layers=None))
     facts, captured, profile = base.facts, base.model_workload, base.device
@@ -113,10 +114,10 @@ def evaluate_shape(model: str, shape: Shape, layouts: list, seq: int, dtype: str
             layer_input = shape.micro_batch * seq * facts.hidden * DTYPES[dtype].itemsize // (p.tp if p.sp else 1)
             recomputed[key] = with_recompute(captured, p, facts.stack, facts.layers, layer_input)
         workload, regenerated = recomputed[key]
-        step = cluster_step(facts, workload, captured, p, shape.micro_batch, seq, dtype, dtype, profile)
+        step = cluster_step(facts, workload, captured, p, shape.micro_batch, seq, dtype, grad_dtype, profile)
         peak = 0
         for d in sorted({0, p.pp - 1}):  # the first stage holds the most micro-batches, the last the head
-            memory = rank_memory(replace(p, stage=d), step.device_units[d], workload, dtype, dtype, saved_bytes,
+            memory = rank_memory(replace(p, stage=d), step.device_units[d], workload, dtype, grad_dtype, saved_bytes,
                                  regenerated, profile.memory_capacity_bytes)
             peak = max(peak, memory.total_peak_bytes)
         rows.append({"tp": p.tp, "pp": p.pp, "dp": p.dp, "ep": p.ep, "sp": p.sp, "vpp": p.vpp, "zero": p.zero,

@@ -209,7 +209,8 @@ def _flops(chunks: list[list[Unit]]) -> float:
 
 
 def _data_parallel(layout, mine: list[tuple], p: Parallel, device: DeviceProfile):
-    """Each bucket starts once the last backward of its chunk has passed the unit that completes it."""
+    """Each bucket starts once the last backward of its chunk has passed the unit that completes it (or,
+    without overlap, once the step's last backward has ended)."""
     chunks, with_dp = layout
     chunk_of = {id(u): c for c, units in enumerate(chunks) for u in units}
     done = {}
@@ -222,7 +223,7 @@ def _data_parallel(layout, mine: list[tuple], p: Parallel, device: DeviceProfile
             c = chunk_of.get(id(unit), 0)
             done[c] += sum(unit.costs[ph][0] for ph in (INPUT_GRAD, WEIGHT_GRAD)) + sum(
                 comm_ns(x, p, device) for x in unit.comms[INPUT_GRAD])
-            ready = done[c]
+            ready = done[c] if p.overlap_grad_reduce else mine[-1][4]
             continue
         for c in unit.comms[WEIGHT_GRAD]:
             if c.type == ALLGATHER:

@@ -232,10 +232,12 @@ def _zero3_gathers(units, p) -> dict:
 
 
 def _data_parallel(b: _Builder, units, completes, cluster) -> list[int]:
-    """Buckets after the compute that completes them, one after another, off the compute chain."""
+    """Buckets after the compute that completes them (without overlap: after the last backward), one
+    after another, off the compute chain."""
     from ..cluster.network import comm_ns
 
     previous, ready = [], None
+    after_backward = [] if cluster.parallel.overlap_grad_reduce else list(b.last)
     for unit in reversed(units):
         if unit.block != "dp":
             ready = completes.get(id(unit), ready)
@@ -243,7 +245,7 @@ def _data_parallel(b: _Builder, units, completes, cluster) -> list[int]:
         for comm in unit.comms[WEIGHT_GRAD]:
             if comm.type == ALLGATHER:
                 continue  # ZeRO's parameter gathers: beside each pass (3) or after the optimizer (1, 2)
-            deps = previous + ([ready] if ready is not None else [])
+            deps = previous + (after_backward or ([ready] if ready is not None else []))
             previous = [b.collective(f"{unit.name} {comm.type} {comm.group}", comm,
                                      comm_ns(comm, cluster.parallel, cluster.profile), deps=deps)]
     return previous

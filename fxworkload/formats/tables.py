@@ -116,6 +116,8 @@ def summary_text(workload: Workload, settings: dict, top: int = 10) -> str:
         ["dtype / grad dtype", f"{settings['dtype']} / {settings['grad_dtype']}"],
         ["execution stack (--stack)", f"{settings.get('stack', 'eager')}: {STACKS[settings.get('stack', 'eager')].source}"],
         ["recomputation (--recompute)", _recompute_text(p)],
+        ["gradient reduction over dp", "overlapped with backward, bucket by bucket" if p.get("overlap_grad_reduce", True)
+         else "after the last backward (--grad-reduce-after-backward)"],
         [f"trainable parameters ({scope})", f"{totals['parameter_count']:,}"],
         ["tokens per micro-batch (batch x seq)", f"{tokens:,} ({settings['batch']} x {settings['seq']}){per_step}"],
         [f"gradient bytes ({scope})", f"{totals['gradient_bytes']:,}"],
@@ -282,7 +284,8 @@ def kernel_check_text(check: dict) -> str:
 
 def _recompute_text(p: dict) -> str:
     text = {"none": "none: every saved activation kept", "selective": "selective: the attention core runs again "
-            "in backward (Megatron-LM)", "full": "full: each layer keeps its input and runs again in backward"}
+            "in backward (Megatron-LM)", "op": "op: GEMM and attention outputs kept, every second GEMM and the "
+            "rest run again (torchtitan)", "full": "full: each layer keeps its input and runs again in backward"}
     layers = "" if p["recompute"] == "none" or p["recompute_layers"] is None else (
         f", first {p['recompute_layers']} layers of each stage")
     return text[p["recompute"]] + layers

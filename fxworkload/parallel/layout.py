@@ -25,6 +25,10 @@ class Parallel:
     recompute_layers: int | None = None  # recompute the first N layers of each stage; None = all
     vpp: int = 1  # virtual pipeline stages (model chunks) per device: Megatron's interleaved 1F1B schedule
     reshard_after_forward: bool = True  # ZeRO 3 / FSDP: free gathered parameters after forward (gather again in backward)
+    # the gradients' data-parallel reduction overlaps backward, bucket by bucket (PyTorch DDP, FSDP; Megatron-LM's
+    # --overlap-grad-reduce); False: it starts when the last backward ends (Megatron-LM's default, and its only
+    # way before 2023)
+    overlap_grad_reduce: bool = True
 
     @property
     def world(self) -> int:
@@ -36,8 +40,7 @@ class Parallel:
         return out | {"world": self.world}
 
 
-RECOMPUTE_MODES = ("none", "selective", "full")
-
+RECOMPUTE_MODES = ("none", "selective", "op", "full")
 
 
 def check_values(parallel: Parallel) -> None:
@@ -63,7 +66,7 @@ def check_values(parallel: Parallel) -> None:
     if not p.reshard_after_forward and p.zero != 3:
         raise UserError("--keep-gathered keeps ZeRO 3's gathered parameters: it needs --zero 3")
     if p.recompute not in RECOMPUTE_MODES:
-        raise UserError(f"unknown --recompute {p.recompute!r}: use none, selective or full")
+        raise UserError(f"unknown --recompute {p.recompute!r}: use {', '.join(RECOMPUTE_MODES)}")
     if p.recompute_layers is not None and p.recompute == "none":
         raise UserError("--recompute-layers needs --recompute selective or full")
     if p.recompute_layers is not None and (not isinstance(p.recompute_layers, int) or p.recompute_layers < 1):

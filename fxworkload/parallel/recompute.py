@@ -7,6 +7,11 @@
 - ``full``: each recomputed layer keeps only its input (batch x seq x hidden, 1/tp of it with
   sequence parallelism); its whole forward runs again in backward.
 
+- ``op``: torchtitan's op-level selective checkpointing of each layer (workload/stacks.py): torch's
+  selective checkpoint keeps the layer's input and the output of every op its policy saves (GEMMs
+  and attention kernels, but every second GEMM), whether backward reads it or not, and runs the
+  layer's other ops again in backward.
+
 ``--recompute-layers N`` recomputes the first N layers of each pipeline stage (Megatron's
 ``--recompute-num-layers`` with the block method); by default every layer. A recomputed op is a
 copy of its forward op at the head of the row's input-gradient ops, so its time shows in every
@@ -15,10 +20,16 @@ output: the tables' backward time, the SimAI file and the trace.
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
+import torch
+
 from ..capture.trace import INPUT_GRAD
+from ..cost.flops import base_name
 from ..workload.layers import layer_of
+from ..workload.memory import ALLOCATION_ROUNDING_BYTES
+from ..workload.stacks import op_level_recomputed
 from ..workload.table import NodeRow, OpCost, Workload
 from .layout import Parallel, stage_layers
 
@@ -45,19 +56,38 @@ def with_recompute(workload: Workload, parallel: Parallel, stack: str | None, la
             copies[id(op)] = replace(op, phase=INPUT_GRAD)
         return copies[id(op)]
 
+    again_op = _op_level_rows(workload, stack) if parallel.recompute == "op" else set()
     rows, seen_layers, dropped = [], set(), {}
     for row in workload.rows:
         layer = layer_of(row.module, stack) if isinstance(row, NodeRow) else None
         if layer not in chosen:
             rows.append(row)
             continue
-        recomputed = parallel.recompute == "full" or row.forward.sdpa_backend is not None
-        saved = row.selective_saved_bytes if parallel.recompute == "selective" else 0
-        if parallel.recompute == "full" and layer not in seen_layers:
-            saved = layer_input_bytes  # the layer's first row carries its kept input
+        recomputed = {"full": True, "selective": row.forward.sdpa_backend is not None,
+                      "op": id(row) in again_op}[parallel.recompute]
+        saved = {"selective": row.selective_saved_bytes, "op": 0 if recomputed else _output_bytes(row.forward)
+                 }.get(parallel.recompute, 0)
+        if parallel.recompute in ("full", "op") and layer not in seen_layers:
+            saved += layer_input_bytes  # the layer's first row carries its kept input
             seen_layers.add(layer)
         dropped[layer] = dropped.get(layer, 0) + row.saved_bytes - saved
         again_first = [again(row.forward)] if recomputed else []
         rows.append(replace(row, input_grad=again_first + row.input_grad, saved_bytes=saved))
     return replace(workload, rows=rows), max(dropped.values(), default=0)
 
+
+def _op_level_rows(workload: Workload, stack: str | None) -> set[int]:
+    """The rows (by id) whose forward op-level checkpointing runs again, layer by layer."""
+    by_layer: dict[int, list[NodeRow]] = {}
+    for row in workload.node_rows:
+        layer = layer_of(row.module, stack)
+        if layer is not None:
+            by_layer.setdefault(layer, []).append(row)
+    return {id(row) for rows in by_layer.values()
+            for row, again in zip(rows, op_level_recomputed([base_name(r.forward.op) for r in rows])) if again}
+
+
+def _output_bytes(op: OpCost) -> int:
+    """The bytes of an op's outputs as the allocator holds them."""
+    sizes = (math.prod(shape) * getattr(torch, dtype).itemsize for shape, dtype in zip(op.output_shapes, op.output_dtypes))
+    return sum(-(-size // ALLOCATION_ROUNDING_BYTES) * ALLOCATION_ROUNDING_BYTES for size in sizes)

@@ -43,3 +43,23 @@ def check_stack(name: str) -> Stack:
     if name not in STACKS:
         raise UserError(f"unknown --stack {name!r}: use one of {', '.join(STACK_NAMES)}")
     return STACKS[name]
+
+
+# torchtitan's op-level selective activation checkpointing (torchtitan/distributed/activation_checkpoint.py,
+# ``selective_ac_option = "op"``): each decoder block is checkpointed (its input kept); of the ops it
+# runs, the outputs of these are kept and the rest is run again in backward; of the GEMMs, every
+# second one is run again too (its policy counts ``mm``s and keeps the odd ones). GPT-2's Conv1D GEMM
+# (``addmm``, a GEMM with its bias) counts as one.
+OP_SAC_SAVED = frozenset({"mm", "addmm", "_scaled_dot_product_efficient_attention",
+                          "_scaled_dot_product_flash_attention", "_scaled_dot_product_cudnn_attention",
+                          "_scaled_mm"})
+OP_SAC_GEMMS = frozenset({"mm", "addmm"})
+
+
+def op_level_recomputed(op_names: list[str]) -> list[bool]:
+    """For one block's forward ops in order (aten op names), whether op-level checkpointing runs each again."""
+    gemms, again = 0, []
+    for name in op_names:
+        gemms += name in OP_SAC_GEMMS
+        again.append(name not in OP_SAC_SAVED or (name in OP_SAC_GEMMS and gemms % 2 == 0))
+    return again

@@ -81,6 +81,19 @@ def test_data_parallel_reduction_overlaps_backward(tiny_dirs):
     assert spans[0][2] < cluster.pipeline_ns  # the first bucket starts before backward ends
 
 
+def test_without_overlap_the_reduction_starts_when_backward_ends(tiny_dirs):
+    """Megatron-LM without --overlap-grad-reduce: the buckets run one after another from the end of
+    the last backward, so all of their time is exposed (a hand sum of the spans)."""
+    layout = Parallel(dp=4, bucket_mb=0, overlap_grad_reduce=False)
+    cluster = extract(str(tiny_dirs["llama"]), batch=2, seq=16, device="h100-sxm", parallel=layout).cluster
+    spans = cluster.data_parallel_spans
+    assert spans[0][2] == cluster.pipeline_ns
+    assert cluster.exposed_ns["dp"] == pytest.approx(sum(end - start for _, _, start, end, _ in spans))
+    overlapped = extract(str(tiny_dirs["llama"]), batch=2, seq=16, device="h100-sxm",
+                         parallel=Parallel(dp=4, bucket_mb=0)).cluster
+    assert cluster.step_ns > overlapped.step_ns
+
+
 def test_uneven_stages_interleave_with_the_short_chunks_at_the_ends(tmp_path):
     """The Llama 3 layout in miniature: 8 layers on 3 stages as 2, 4, 2, two chunks each. By hand, in
     virtual-stage order (chunk 0 of devices 0, 1, 2, then chunk 1): device 0 holds [0] and [4], device 1

@@ -4,6 +4,7 @@ backward in every output."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from fxworkload.capture.trace import FORWARD, INPUT_GRAD
 from fxworkload.cli import main
@@ -70,7 +71,7 @@ def test_recompute_layers_takes_the_first_of_each_stage_and_shows_in_the_simai_f
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--recompute", "some"], "unknown --recompute 'some': use none, selective or full"),
+    (["--recompute", "some"], "unknown --recompute 'some': use none, selective, op, full"),
     (["--recompute-layers", "1"], "--recompute-layers needs --recompute selective or full"),
     (["--recompute", "full", "--pp", "2", "--recompute-layers", "3"],
      "--recompute-layers 3 exceeds the 2 layers of the smallest pipeline stage"),
@@ -78,3 +79,62 @@ def test_recompute_layers_takes_the_first_of_each_stage_and_shows_in_the_simai_f
 def test_impossible_recompute_settings_are_one_line(args, message, four_layers, tmp_path, capsys):
     assert main(["extract", four_layers, "--seq", "16", *args, "--out", str(tmp_path / "o")]) == 2
     assert message in capsys.readouterr().err and not (tmp_path / "o").exists()
+
+
+def _torchtitan_op_policy():
+    """torchtitan's op-level policy (torchtitan/distributed/activation_checkpoint.py): save mm and the
+    GPU SDPA kernels' outputs, but recompute every second mm; everything else is recomputed."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    save = {torch.ops.aten.mm.default, torch.ops.aten._scaled_dot_product_flash_attention.default,
+            torch.ops.aten._scaled_dot_product_efficient_attention.default}
+    count = {"forward": 0, "recompute": 0}
+
+    def policy(ctx, func, *args, **kwargs):
+        mode = "recompute" if ctx.is_recompute else "forward"
+        count[mode] += func == torch.ops.aten.mm.default
+        keep = func in save and not (func == torch.ops.aten.mm.default and count[mode] % 2 == 0)
+        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+    return policy
+
+
+def _held_after_forward(config, op_level: bool, batch: int, seq: int) -> int:
+    """MemTracker's live bytes after an eager forward under FakeTensorMode (parameters and buffers
+    left out), each decoder layer wrapped in torch's selective checkpoint with torchtitan's policy."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+    from transformers import AutoModelForCausalLM
+
+    from fxworkload.capture.trace import _unpacked_sequences
+
+    config.use_cache = False
+    with FakeTensorMode(), _unpacked_sequences():
+        model = AutoModelForCausalLM.from_config(config).train()
+        for layer in model.model.layers if op_level else ():
+            def checkpointed(*args, _forward=layer.forward, **kwargs):
+                return checkpoint(_forward, *args, use_reentrant=False, **kwargs,
+                                  context_fn=lambda: create_selective_checkpoint_contexts(_torchtitan_op_policy()))
+            layer.forward = checkpointed
+        ids = torch.zeros(batch, seq, dtype=torch.long)
+        tracker = MemTracker()
+        tracker.track_external(model)
+        with tracker:
+            model(ids, labels=ids)
+            held = next(iter(tracker.get_tracker_snapshot("current").values()))
+    held = {str(kind).rsplit(".", 1)[-1]: value for kind, value in held.items()}
+    return held["Total"] - held["PARAM"] - held["BUFFER"]
+
+
+def test_op_level_recomputation_keeps_what_torchs_selective_checkpoint_keeps(tmp_path):
+    """torch's own selective checkpoint, torchtitan's policy, on the real (fake-tensor) model: what a
+    forward leaves held with it and without, against our saved activations with and without."""
+    tiny_config("llama", num_hidden_layers=4).save_pretrained(tmp_path)
+    plain = extract(str(tmp_path), batch=2, seq=16, trace_on="cpu")
+    op_level = extract(str(tmp_path), batch=2, seq=16, trace_on="cpu", parallel=Parallel(recompute="op"))
+    freed = plain.workload.saved_bytes - op_level.workload.saved_bytes
+    oracle = (_held_after_forward(tiny_config("llama", num_hidden_layers=4), False, 2, 16)
+              - _held_after_forward(tiny_config("llama", num_hidden_layers=4), True, 2, 16))
+    assert abs(freed - oracle) / oracle <= 0.02, (freed, oracle)
+    added_ns = op_level.totals[f"{INPUT_GRAD}_estimated_ns"] - plain.totals[f"{INPUT_GRAD}_estimated_ns"]
+    assert added_ns > 0  # the recomputed ops run in backward
