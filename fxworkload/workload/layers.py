@@ -17,6 +17,7 @@ caller traces every layer.
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 import re
 from collections.abc import Callable
 
@@ -166,9 +167,7 @@ def _renumbered(block: list, stack: str, old: int, new: int) -> list:
     path, name = _renamer(stack, old, new)
     return [GradRow(name=name(r.name), module=path(r.module), parameters=[path(p) for p in r.parameters],
                     elements=r.elements, bytes=r.bytes) if isinstance(r, GradRow)
-            else NodeRow(name=name(r.name), module=path(r.module), forward=r.forward,
-                         input_grad=r.input_grad, weight_grad=r.weight_grad, saved_bytes=r.saved_bytes)
-            for r in block]
+            else replace(r, name=name(r.name), module=path(r.module)) for r in block]
 
 
 def _normalized(block: list, stack: str, layer: int) -> list:

@@ -54,6 +54,10 @@ def test_the_one_layer_fast_path_gives_the_every_layer_peaks(tmp_path):
     full = extract(str(tmp_path), batch=2, seq=16, use_cache=False, every_layer=True, trace_on="cpu").workload
     assert (fast.step_peak_bytes, fast.activation_peak_bytes, fast.saved_bytes) == (
         full.step_peak_bytes, full.activation_peak_bytes, full.saved_bytes)
+    for policy in ("selective", "op"):  # what each row keeps under recomputation is carried to every layer too
+        fast, full = (extract(str(tmp_path), batch=2, seq=16, use_cache=False, every_layer=every, trace_on="cpu",
+                              parallel=Parallel(recompute=policy)).workload for every in (False, True))
+        assert fast.saved_bytes == full.saved_bytes, policy
 
 
 def _megatron_gpt(folder, activation: str, attention: str | None = None):
