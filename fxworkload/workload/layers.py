@@ -17,15 +17,15 @@ caller traces every layer.
 from __future__ import annotations
 
 import copy
-from dataclasses import replace
 import re
+from dataclasses import replace
 from collections.abc import Callable
 
 import torch
 
 from ..capture.attention import GpuTarget
 from ..capture.trace import capture_training_step
-from .table import GradRow, NodeRow, Workload, build
+from .table import GradRow, Workload, build
 
 SHORT_LAYERS = (4, 5)
 _SKIPPED_ATTRIBUTES = re.compile(r"layer_idx|layer_id|layer_number|layer_index|training")
