@@ -96,7 +96,7 @@ def megatron_row(name: str, root: Path) -> list:
     paper_flops = 96 * batch * seq * layers * hidden ** 2 * (1 + seq / (6 * hidden) + vocab / (16 * layers * hidden))
     ours = paper_flops / (best["step_ms"] / 1e3) / gpus / 1e12
     return [f"GPT {name}", f"tp{tp} pp{pp} dp{dp}", gpus, describe(best), published, f"{ours:.0f}",
-            f"{100 * (ours / published - 1):+.1f}%"]
+            f"{100 * (ours / published - 1):+.2f}%"]
 
 
 def korthikanti_row(name: str, root: Path) -> list:
@@ -110,7 +110,7 @@ def korthikanti_row(name: str, root: Path) -> list:
     published = model_flops / published_s / gpus / 1e12
     ours = model_flops / (best["step_ms"] / 1e3) / gpus / 1e12
     return [f"GPT {name} (Korthikanti)", f"tp{tp} pp{pp} dp{dp} sp", gpus, describe(best), f"{published:.0f}",
-            f"{ours:.0f}", f"{100 * (ours / published - 1):+.1f}%"]
+            f"{ours:.0f}", f"{100 * (ours / published - 1):+.2f}%"]
 
 
 def llama_row(name: str, root: Path) -> list:
@@ -124,7 +124,7 @@ def llama_row(name: str, root: Path) -> list:
                        recompute=("none", "selective", "full"), pp_layers=(7, *[8] * 14, 7), sp=True, zero=1,
                        grad_dtype="fp32")
     return [f"Llama 3 {name}", f"tp{tp} pp{pp} dp{dp}", tp * pp * dp, describe(best), published,
-            f"{best['tflops_per_gpu']:.0f}", f"{100 * (best['tflops_per_gpu'] / published - 1):+.1f}%"]
+            f"{best['tflops_per_gpu']:.0f}", f"{100 * (best['tflops_per_gpu'] / published - 1):+.2f}%"]
 
 
 def best_layout(model, tp, pp, dp, batch, seq, dtype, device, layers, recompute, pp_layers, sp, zero,
