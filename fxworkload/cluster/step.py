@@ -52,6 +52,7 @@ class DeviceSummary:
     end_ns: float
     zero3_gather_ns: tuple[float, float] = (0.0, 0.0)  # ZeRO 3: one forward and one backward pass's gathers
     zero3_exposed_gather_ns: float = 0.0  # ZeRO 3: compute waiting for parameters, every pass of the step
+    bucket_slowdown_ns: float = 0.0  # backward compute lost to the SMs overlapped gradient buckets' NCCL kernels held
 
 
 @dataclass
@@ -146,6 +147,7 @@ def cluster_step(facts: ModelFacts, workload: Workload, model_workload: Workload
     transfer = p2p_ns(boundary, p, device)
     passes = timelines(p.pp, p.vpp, p.micro_batches, forward, backward, transfer)
     devices, spans = [], []
+    slowed = [0.0] * p.pp  # compute lost to the SMs the overlapped buckets' NCCL kernels held
     for d in range(p.pp):
         mine = passes[d]
         pipeline_end = mine[-1][4]
@@ -154,6 +156,9 @@ def cluster_step(facts: ModelFacts, workload: Workload, model_workload: Workload
             dp_spans = [("ZeRO 3 last reduce-scatter", pipeline_end, dp_end, 0)] if zero3_trailing[d] else []
         else:
             dp_end, dp_spans = _data_parallel(layouts[d], mine, p, device)
+            slowed[d] = _bucket_slowdown(dp_spans, mine, compute_share_lost(device.sm_count))
+            pipeline_end += slowed[d]
+            dp_end = max(dp_end, pipeline_end)
         spans += [(d, *span) for span in dp_spans]
         optimizer = _optimizer_ns(layouts[d][0], p, dtype, grad_dtype, device)
         gather = sum(comm_ns(c, p, device) for u in layouts[d][1] if u.block == "dp" for c in u.comms[WEIGHT_GRAD]
@@ -163,21 +168,24 @@ def cluster_step(facts: ModelFacts, workload: Workload, model_workload: Workload
         devices.append(DeviceSummary(device=d, compute_ns=compute, blocking_comm_ns=comm[d],
                                      pipeline_end_ns=pipeline_end, data_parallel_end_ns=dp_end,
                                      optimizer_ns=optimizer, zero_gather_ns=gather, end_ns=end,
-                                     zero3_gather_ns=zero3[d], zero3_exposed_gather_ns=zero3_exposed[d]))
+                                     zero3_gather_ns=zero3[d], zero3_exposed_gather_ns=zero3_exposed[d],
+                                     bucket_slowdown_ns=slowed[d]))
     slowest = max(devices, key=lambda x: x.end_ns)
     busiest = max(devices, key=lambda x: x.compute_ns)
     pipeline_ns = max(x.pipeline_end_ns for x in devices)
+    busy_ns = busiest.compute_ns + busiest.bucket_slowdown_ns  # slowed compute is busy, not a bubble
     micro = p.micro_batches
     exposed = {"tp": slowest.blocking_comm_ns["tp"] * micro, "ep": slowest.blocking_comm_ns["ep"] * micro,
-               "pp_bubble": pipeline_ns - busiest.compute_ns,
+               "pp_bubble": pipeline_ns - busy_ns,
                "dp": max(slowest.data_parallel_end_ns - slowest.pipeline_end_ns, 0.0),
                "zero_gather": slowest.zero_gather_ns, "zero3_gather": slowest.zero3_exposed_gather_ns,
+               "dp_bucket_slowdown": slowest.bucket_slowdown_ns,
                "optimizer": slowest.optimizer_ns}
     ranks_per_stage = p.tp * p.dp
     model_flops = sum(f[0] for f in flops) * micro * ranks_per_stage
     hardware_flops = sum(f[1] for f in flops) * micro * ranks_per_stage
     return ClusterStep(parallel=p, micro_batch=micro_batch, seq=seq, step_ns=slowest.end_ns, pipeline_ns=pipeline_ns,
-                       bubble_fraction=1 - busiest.compute_ns / pipeline_ns if pipeline_ns else 0.0,
+                       bubble_fraction=1 - busy_ns / pipeline_ns if pipeline_ns else 0.0,
                        exposed_ns=exposed, model_flops=model_flops, hardware_flops=hardware_flops,
                        peak_flops_per_s=device.matmul_flops_per_s[dtype], devices=devices, device_passes=passes,
                        data_parallel_spans=spans, device_units=[layout[1] for layout in layouts],
@@ -232,6 +240,16 @@ def _data_parallel(layout, mine: list[tuple], p: Parallel, device: DeviceProfile
             free = start + comm_ns(c, p, device)
             spans.append((unit.name, start, free, c.bytes))
     return max(free, mine[-1][4]), spans
+
+
+def _bucket_slowdown(spans: list[tuple], mine: list[tuple], share_lost: float) -> float:
+    """Compute lost while gradient buckets run beside backward passes: the SM share NCCL's kernels
+    hold (zero3.py), over the time a bucket and a backward pass overlap (the stream model of ZeRO 3,
+    applied to DDP's and ZeRO 1/2's buckets)."""
+    passes = [(start, end) for kind, _, _, start, end in mine if kind == BACKWARD]
+    overlap = sum(max(0.0, min(end, b_end) - max(start, b_start))
+                  for _, start, end, _ in spans for b_start, b_end in passes)
+    return share_lost * overlap
 
 
 def _zero3_groups(units: list[Unit], phase: str, p: Parallel, device: DeviceProfile, param_itemsize: int,

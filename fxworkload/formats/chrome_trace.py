@@ -77,6 +77,9 @@ def cluster_events(cluster) -> list[dict]:
     for device, name, start, end, nbytes in cluster.data_parallel_spans:
         events.append(_cluster_span(name, "comm", device, DATA_PARALLEL_COMM, start, end, bytes=nbytes))
     for d in cluster.devices:  # the step's end: the optimizer after the last pass and bucket, then ZeRO 1/2's gathers
+        if d.bucket_slowdown_ns > 0:
+            events.append(_cluster_span("backward slowed by dp buckets (SMs held by NCCL)", "compute", d.device,
+                                        COMPUTE, d.pipeline_end_ns - d.bucket_slowdown_ns, d.pipeline_end_ns))
         start = max(d.pipeline_end_ns, d.data_parallel_end_ns)
         if d.optimizer_ns > 0:
             events.append(_cluster_span("optimizer step (Adam)", "compute", d.device, COMPUTE, start,

@@ -182,6 +182,8 @@ def cluster_summary_text(cluster) -> str:
              ["exposed ms: tp / ep collectives (blocking)", f"{exposed['tp'] / 1e6:.3f} / {exposed['ep'] / 1e6:.3f}"],
              ["exposed ms: dp gradient reduction / ZeRO parameter gather",
               f"{exposed['dp'] / 1e6:.3f} / {(exposed['zero_gather'] + exposed['zero3_gather']) / 1e6:.3f}"],
+             ["backward slowed by overlapped dp buckets ms (SMs held by NCCL)",
+              f"{exposed.get('dp_bucket_slowdown', 0.0) / 1e6:.3f}"],
              ["optimizer step ms (Adam, memory-bound)", f"{exposed['optimizer'] / 1e6:.3f}"],
              [("MFU / HFU (model / hardware FLOPs over the dense peak)" if cluster.profile is None or
                cluster.profile.arch else "FLOPs utilisation (model / hardware FLOPs over this CPU's measured "

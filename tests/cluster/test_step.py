@@ -111,3 +111,22 @@ def test_uneven_stages_interleave_with_the_short_chunks_at_the_ends(tmp_path):
     two = extract(str(tmp_path), batch=1, seq=16, device="h100-sxm", parallel=uneven).cluster
     assert two.bubble_fraction < one.bubble_fraction
     assert two.model_flops == pytest.approx(one.model_flops)
+
+
+def test_overlapped_buckets_slow_the_backward_they_run_beside(tiny_dirs):
+    """The ZeRO-3 stream model's SM share, applied to DDP's buckets: the backward is longer by
+    NCCL_CHANNELS / sm_count of the time buckets and backward passes overlap (a hand sum)."""
+    from fxworkload.cluster.zero3 import NCCL_CHANNELS
+
+    result = extract(str(tiny_dirs["llama"]), batch=2, seq=16, device="h100-sxm", parallel=Parallel(dp=4, bucket_mb=0))
+    cluster, device = result.cluster, result.device
+    backward = [(x.start_ns, x.end_ns) for x in cluster.passes if x.kind == "B"]
+    overlap = sum(max(0.0, min(end, b_end) - max(start, b_start))
+                  for _, _, start, end, _ in cluster.data_parallel_spans for b_start, b_end in backward)
+    assert overlap > 0
+    slowed = cluster.devices[0].bucket_slowdown_ns
+    assert slowed == pytest.approx(overlap * NCCL_CHANNELS / device.sm_count)
+    assert cluster.devices[0].pipeline_end_ns == pytest.approx(backward[-1][1] + slowed)
+    after = extract(str(tiny_dirs["llama"]), batch=2, seq=16, device="h100-sxm",
+                    parallel=Parallel(dp=4, bucket_mb=0, overlap_grad_reduce=False)).cluster
+    assert after.devices[0].bucket_slowdown_ns == 0  # nothing runs beside the backward
