@@ -110,7 +110,7 @@ class Extraction:
             files["workload.simai.txt"] = simai.text(simai.from_rank(self.rank))
         if "chrome-trace" in formats:
             from .formats.chrome_trace import trace_json
-            files["workload.trace.json"] = trace_json(self.rank, self.device, self.cluster)
+            files["workload.trace.json"] = trace_json(self.rank, self.device, self.cluster, self.settings["stack"])
         if "chakra" in formats:
             from .formats.chakra import chakra_files
             files.update(chakra_files(self.cluster))

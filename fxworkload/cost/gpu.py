@@ -25,8 +25,10 @@ H100 and are shipped with their source, or fitted by ``fxworkload calibrate --on
   bandwidth (another for kernels that convert dtypes); a (log-)softmax over long rows reads them
   again per reduction where PyTorch's kernel choice keeps them neither in registers, shared
   memory nor L2 (``softmax_rereads``).
-- Host (``dispatch_ns``): each eager op costs the CPU a fitted dispatch time; a step whose kernels are
-  shorter than their dispatch waits on the host (see ``two_stream_ns``).
+- Host (``dispatch_ns``): each eager op costs the CPU a fitted dispatch time, plus a fitted time per
+  output tensor past the first (its allocation); a step whose kernels are shorter than their
+  dispatch waits on the host (see ``two_stream_ns``). Both are facts of the host the kernels were
+  measured beside, fitted with them.
 """
 
 from __future__ import annotations
@@ -61,6 +63,9 @@ class GpuModel:
     memory_cast_efficiency: float = 0.58
     vector_kernel_ns: float = 3000.0  # fixed cost of one memory-bound kernel
     host_dispatch_ns: float = 10000.0  # CPU time of one eager aten op (Python, dispatcher, launch)
+    # and for each output past the first (native_layer_norm's mean and rstd, dropout's mask): the
+    # caching allocator's call and the tensor's construction on the host
+    host_output_ns: float = 5000.0
     attention_kernel_ns: float = 10000.0
     cudnn_forward_efficiency: float = 0.45
     cudnn_backward_efficiency: float = 0.35

@@ -6,7 +6,8 @@ GEMM and attention ops compute at the device's matmul rate for their dtype; ever
 the vector rate. A datasheet profile gives every rate as peak × efficiency. A measured profile
 (``fxworkload calibrate``) gives
 - the GEMM rate over a grid of (m, k, n) shapes, interpolated log-linearly between grid points
-  and held flat beyond them (ops that are not plain GEMMs use the cube of their FLOPs' size);
+  and held flat beyond them (ops that are not plain GEMMs use the cube of their FLOPs' size); a
+  measured GEMM rate already holds the GEMM's memory traffic, so no bandwidth bound is added;
 - the bandwidth as a curve over bytes moved, interpolated the same way;
 - a vector rate per op, where the op was measured.
 Ops that launch no kernel (views, getitem, empty) take 0 ns.
@@ -38,9 +39,16 @@ def estimate_ns(flops: int, nbytes: int, dtype: torch.dtype | None, device: Devi
     else:
         vector_rate = device.vector_flops_per_s_by_op.get(op_name, device.vector_flops_per_s)
         compute_rate = vector_rate * device.compute_efficiency
+    if uses_matmul_units and measured(device):  # a measured GEMM rate holds the GEMM's own traffic
+        return device.kernel_launch_ns + 1e9 * flops / compute_rate
     memory_rate = _curve_rate(device.memory_bytes_per_s_by_bytes, nbytes,
                               device.memory_bytes_per_s * device.memory_efficiency)
     return device.kernel_launch_ns + 1e9 * max(flops / compute_rate, nbytes / memory_rate)
+
+
+def measured(device: DeviceProfile) -> bool:
+    """A profile whose rates were measured (``calibrate``), not datasheet peaks times efficiencies."""
+    return device.compute_efficiency == 1.0 and device.memory_efficiency == 1.0
 
 
 def _bracket(points: list[float], x: float) -> list[tuple[float, float]]:

@@ -25,7 +25,7 @@ COMPUTE, MODEL_PARALLEL_COMM, DATA_PARALLEL_COMM = 0, 1, 2
 THREADS = {COMPUTE: "compute", MODEL_PARALLEL_COMM: "tp/ep collectives", DATA_PARALLEL_COMM: "dp collectives"}
 
 
-def trace_json(rank: RankWorkload, device: DeviceProfile, cluster=None) -> str:
+def trace_json(rank: RankWorkload, device: DeviceProfile, cluster=None, stack: str = "eager") -> str:
     check_device(device, rank.parallel)
     timeline = _Timeline(rank.parallel, device)
     compute_units = [u for u in rank.units if u.block != "dp"]
@@ -45,7 +45,8 @@ def trace_json(rank: RankWorkload, device: DeviceProfile, cluster=None) -> str:
     meta.append({"name": "process_name", "ph": "M", "pid": rank.parallel.stage, "tid": 0,
                  "args": {"name": f"pipeline stage {rank.parallel.stage}, tensor-parallel rank 0"}})
     events = meta + timeline.events
-    other = {"step_ns": round(timeline.end_ns()), "parallel": rank.parallel.as_dict(), "device": device.name}
+    other = {"step_ns": round(timeline.end_ns()), "parallel": rank.parallel.as_dict(), "device": device.name,
+             "stack": stack}
     if cluster is not None:
         events += cluster_events(cluster)
         other["cluster_step_ns"] = round(cluster.step_ns)

@@ -132,12 +132,13 @@ def summary_text(workload: Workload, settings: dict, top: int = 10) -> str:
     phases.append([f"fwd+bwd ({pass_label})", f"{sum(totals[f'{ph}_flops'] for ph in PHASES):.4e}",
                    f"{sum(totals[f'{ph}_bytes'] for ph in PHASES):.4e}",
                    f"{totals['step_estimated_ns'] / 1e6:.3f}"])
+    host = host_bound_text(workload)
     costliest = sorted(workload.node_rows, key=lambda r: r.total_ns, reverse=True)[:top]
     top_rows = [[r.name, r.forward.op, f"{r.forward.estimated_ns / 1e6:.4f}", f"{r.backward_ns / 1e6:.4f}",
                  f"{r.weight_grad_ns / 1e6:.4f}", f"{r.total_ns / 1e6:.4f}"] for r in costliest]
     return "\n\n".join([
         tabulate(key_figures, tablefmt="simple"),
-        tabulate(phases, headers=["phase", "flops", "bytes", "estimated_ms"], tablefmt="simple"),
+        tabulate(phases, headers=["phase", "flops", "bytes", "estimated_ms"], tablefmt="simple") + host,
         f"The {len(top_rows)} costliest nodes (estimated ms):\n" + tabulate(
             top_rows, headers=["name", "op", "forward", "input_grad", "weight_grad", "total"], tablefmt="simple"),
     ]) + "\n"
@@ -282,6 +283,27 @@ def kernel_check_text(check: dict) -> str:
     verdict = "agree" if check["agrees"] else "DO NOT agree"
     return (f"{check['node_kernel_ns'] / 1e6:.3f} ms of the profiler's {check['profiler_kernel_ns'] / 1e6:.3f} ms of "
             f"kernels per step ({100 * check['agreement']:.2f} %): {verdict} within {100 * check['tolerance']:g} %")
+
+
+HOST_BOUND_SHARE = 0.05  # the host's pace costs the step more than 5 % over its kernels' sum
+
+
+def host_bound_text(workload: Workload) -> str:
+    """Whether the host (Python and the dispatcher issuing each eager op) or the GPU sets the pace of
+    one micro-batch, from the ops' dispatch and kernel times; empty where no dispatch is modelled."""
+    totals = workload.totals
+    dispatch, kernels, step = totals["dispatch_sum_ns"], totals["kernel_sum_ns"], totals["step_estimated_ns"]
+    if dispatch <= 0:
+        return ""
+    issued = sum(1 for op in workload.execution_order() if op.dispatch_ns > 0)
+    per_phase = ", ".join(f"{ph} {sum(op.estimated_ns for op in workload.ops(ph)) / 1e6:.3f} / "
+                          f"{sum(op.dispatch_ns for op in workload.ops(ph)) / 1e6:.3f}" for ph in PHASES)
+    idle = (step - kernels) / step if step else 0.0
+    verdict = (f"HOST-BOUND: the GPU waits on the host {100 * idle:.0f}% of the micro-batch"
+               if idle > HOST_BOUND_SHARE else f"GPU-bound: the host keeps ahead ({100 * idle:.1f}% idle)")
+    return (f"\n{verdict}. Kernels {kernels / 1e6:.3f} ms against the host's dispatch of {issued:,} ops "
+            f"{dispatch / 1e6:.3f} ms ({dispatch / max(issued, 1) / 1e3:.1f} us each, the profile's host); "
+            f"kernels / dispatch ms per phase: {per_phase}")
 
 
 def _recompute_text(p: dict) -> str:

@@ -232,7 +232,8 @@ def op_dispatch_ns(op: OpCost, device: DeviceProfile) -> float:
     """Host time of an op that launches a kernel, on a GPU profile; views and CPU profiles: 0."""
     if not device.sm_count or op.kind == flop_rules.VIEW or (op.flops == 0 and op.bytes == 0):
         return 0.0
-    return device.gpu_model().host_dispatch_ns
+    model = device.gpu_model()
+    return model.host_dispatch_ns + model.host_output_ns * max(len(op.output_shapes) - 1, 0)
 
 
 def cost_of(node: torch.fx.Node, phase: str, device: DeviceProfile | None) -> OpCost:
