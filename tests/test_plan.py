@@ -61,6 +61,10 @@ def test_plan_ranks_by_step_time_and_keeps_what_fits(four_layers):
     assert ranked and all(r["fits"] for r in ranked)
     assert [r["step_ms"] for r in ranked] == sorted(r["step_ms"] for r in ranked)
     assert result["evaluated"] == len(ranked) + result["dropped"]["does not fit in memory"]
+    best = ranked[0]
+    for row in ranked:  # each row's 90 % interval brackets its step; marked where it reaches the best's
+        assert row["step_low_ms"] <= row["step_ms"] <= row["step_high_ms"]
+        assert row["overlaps_best"] == (row["step_low_ms"] <= best["step_high_ms"])
 
 
 def test_plan_cli_writes_its_table(four_layers, tmp_path):

@@ -74,6 +74,15 @@ class ClusterStep:
     device_chunks: list[list[list[Unit]]] = field(repr=False, default_factory=list)  # per device, its model chunks
     boundary_bytes: int = 0  # one activation sent between pipeline stages
     profile: DeviceProfile | None = field(repr=False, default=None)
+    # the micro-batch's 90 % interval over its estimate (kernel families' held-out errors), applied to the
+    # whole step: the collectives are taken as they are estimated; (1, 1) where the profile has none
+    interval_ratio: tuple[float, float] = (1.0, 1.0)
+
+    @property
+    def step_interval_ns(self) -> tuple[float, float] | None:
+        if self.interval_ratio == (1.0, 1.0):
+            return None
+        return self.step_ns * self.interval_ratio[0], self.step_ns * self.interval_ratio[1]
 
     @property
     def passes(self) -> list[Pass]:
@@ -109,6 +118,7 @@ class ClusterStep:
                 "mfu": self.mfu, "hfu": self.hfu, "tflops_per_gpu": self.tflops_per_gpu,
                 "tokens_per_step": self.tokens, "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu,
                 "peak_flops_per_s": self.peak_flops_per_s,
+                "step_interval_ns": list(self.step_interval_ns) if self.step_interval_ns else None,
                 "devices": [vars(d) for d in self.devices]}
 
 
@@ -189,7 +199,15 @@ def cluster_step(facts: ModelFacts, workload: Workload, model_workload: Workload
                        exposed_ns=exposed, model_flops=model_flops, hardware_flops=hardware_flops,
                        peak_flops_per_s=device.matmul_flops_per_s[dtype], devices=devices, device_passes=passes,
                        data_parallel_spans=spans, device_units=[layout[1] for layout in layouts],
-                       device_chunks=[layout[0] for layout in layouts], boundary_bytes=boundary, profile=device)
+                       device_chunks=[layout[0] for layout in layouts], boundary_bytes=boundary, profile=device,
+                       interval_ratio=_interval_ratio(workload))
+
+
+def _interval_ratio(workload: Workload) -> tuple[float, float]:
+    totals = workload.totals
+    if "step_low_ns" not in totals or not totals["step_estimated_ns"]:
+        return 1.0, 1.0
+    return totals["step_low_ns"] / totals["step_estimated_ns"], totals["step_high_ns"] / totals["step_estimated_ns"]
 
 
 def _pass(units: list[Unit], phase: str, p: Parallel, device: DeviceProfile) -> tuple[float, dict[str, float]]:

@@ -61,6 +61,14 @@ class DeviceProfile:
     def gpu_model(self) -> GpuModel:
         return _model(self.gpu_model_fit, tuple(sorted(self.gpu_model_parameters.items())))
 
+    def error_intervals(self) -> dict[str, tuple[float, float]]:
+        """Per kernel family (gemm, sdpa, vector), the 90 % interval of measured / estimated of the
+        held-out rows its fit was checked on (fits/<fit>.json, bench/kernels.py); {} if none."""
+        if not self.gpu_model_fit:
+            return {}
+        return {family: (float(low), float(high))
+                for family, (low, high) in read_fit(self.gpu_model_fit).get("intervals", {}).items()}
+
     def compute_capability(self) -> tuple[int, int]:
         digits = self.arch.removeprefix("sm")
         return int(digits[:-1]), int(digits[-1])

@@ -21,10 +21,11 @@ H100 and are shipped with their source, or fitted by ``fxworkload calibrate --on
   backward apart); the op's tensors are read and written a fitted number
   of times outside the main loop (the backward's dot(dO, O) and dQ conversion passes); an explicit
   mask costs a fitted fraction of the main loop more (its bias loaded and added in every block).
-- Memory-bound ops (``memory_ns``): a fixed cost per kernel plus bytes at the fitted fraction of the
-  bandwidth (another for kernels that convert dtypes); a (log-)softmax over long rows reads them
-  again per reduction where PyTorch's kernel choice keeps them neither in registers, shared
-  memory nor L2 (``softmax_rereads``).
+- Memory-bound ops (``memory_ns``): a fixed cost per kernel plus its bytes at the streaming rate:
+  DRAM's reachable share of the datasheet bandwidth; a kernel that converts dtypes is bound lower,
+  by the bytes its SMs keep in flight (Little's law: SMs x a per-SM rate), which does not grow with
+  the bandwidth. A (log-)softmax over long rows reads them again per reduction where PyTorch's
+  kernel choice keeps them neither in registers, shared memory nor L2 (``softmax_rereads``).
 - Host (``dispatch_ns``): each eager op costs the CPU a fitted dispatch time, plus a fitted time per
   output tensor past the first (its allocation); a step whose kernels are shorter than their
   dispatch waits on the host (see ``two_stream_ns``). Both are facts of the host the kernels were
@@ -57,10 +58,16 @@ class GpuModel:
     gemm_tile_edge: float = 13.6  # elements: a tile's efficiency is tm·tn / (tm·tn + edge·(tm + tn))
     gemm_kernel_ns: float = 5580.0  # fixed cost of one GEMM call (launch, prologue, epilogue)
     gemm_min_ns: float = 25200.0  # the shortest a cuBLAS call took back to back in eager PyTorch
-    memory_efficiency: float = 0.74  # fraction of the datasheet bandwidth a streaming kernel reaches
-    # An elementwise kernel that converts dtypes (a bf16 -> fp32 copy, mixed-dtype arithmetic) runs
-    # TensorIterator's unrolled kernel with dynamic casting instead of the vectorized one (Loops.cuh).
-    memory_cast_efficiency: float = 0.58
+    # Memory-bound kernels as mechanisms, not one GPU's fractions of its bandwidth:
+    # - DRAM: the fraction of the datasheet bandwidth a streaming kernel reaches once enough bytes are
+    #   in flight (row-buffer and refresh losses, ECC);
+    memory_efficiency: float = 0.79
+    # - Little's law: an SM keeps a bounded number of bytes in flight, so it streams at most that over
+    #   the memory latency; the GPU at most its SMs times that. PyTorch's vectorized elementwise kernel
+    #   keeps enough in flight to reach DRAM's limit; the unrolled kernel with dynamic casting that a
+    #   dtype-converting op runs (Loops.cuh) keeps fewer, and is bound by this, not by the bandwidth.
+    #   Bytes per second per SM (in flight / latency), fitted, the same for every GPU of this kind;
+    memory_cast_bytes_per_s_per_sm: float = 14.6e9
     vector_kernel_ns: float = 3000.0  # fixed cost of one memory-bound kernel
     host_dispatch_ns: float = 10000.0  # CPU time of one eager aten op (Python, dispatcher, launch)
     # and for each output past the first (native_layer_norm's mean and rstd, dropout's mask): the
@@ -143,7 +150,7 @@ def gemm_ns(m: int, k: int, n: int, batch: int, dtype: str, leading_dims: tuple[
         efficiency = (model.gemm_tensor_efficiency if align >= 16 else model.gemm_sm80_efficiency if align >= 4
                       else model.gemm_align1_efficiency)
     per_sm = facts.tensor_flops_per_s[dtype] * efficiency / facts.sm_count
-    bandwidth = facts.memory_bytes_per_s * model.memory_efficiency
+    bandwidth = streaming_bytes_per_s(facts, model)
     compute_s = math.inf
     for tm, tn in GEMM_TILES:
         tiles = math.ceil(m / tm) * math.ceil(n / tn) * batch
@@ -187,8 +194,7 @@ def attention_ns(flops: int, backend: str, backward: bool, dtype: str, *, batch:
     if dropout > 0:
         seconds *= 1 + getattr(model, f"{backend}_{direction}_dropout_cost")
         seconds += quantization * scores * getattr(model, f"attention_{direction}_dropout_flops") / alu_per_s
-    bandwidth = facts.memory_bytes_per_s * model.memory_efficiency
-    seconds += getattr(model, f"attention_{direction}_memory_passes") * nbytes / bandwidth
+    seconds += getattr(model, f"attention_{direction}_memory_passes") * nbytes / streaming_bytes_per_s(facts, model)
     return model.attention_kernel_ns + 1e9 * seconds
 
 
@@ -225,9 +231,15 @@ def softmax_rereads(row: int, itemsize: int, backward: bool, facts: GpuFacts) ->
     return 1 if backward else 2
 
 
+def streaming_bytes_per_s(facts: GpuFacts, model: GpuModel, casts: bool = False) -> float:
+    """The rate a streaming kernel moves bytes at: DRAM's reachable share of the datasheet bandwidth,
+    or, for the casting kernel, the lesser of that and what its SMs keep in flight (Little's law)."""
+    dram = facts.memory_bytes_per_s * model.memory_efficiency
+    return min(dram, facts.sm_count * model.memory_cast_bytes_per_s_per_sm) if casts else dram
+
+
 def memory_ns(nbytes: int, facts: GpuFacts, model: GpuModel, kernels: int = 1, casts: bool = False) -> float:
-    efficiency = model.memory_cast_efficiency if casts else model.memory_efficiency
-    return kernels * model.vector_kernel_ns + 1e9 * nbytes / (facts.memory_bytes_per_s * efficiency)
+    return kernels * model.vector_kernel_ns + 1e9 * nbytes / streaming_bytes_per_s(facts, model, casts)
 
 
 def two_stream_ns(ops: list[tuple[float, float]]) -> float:

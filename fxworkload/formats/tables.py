@@ -132,6 +132,9 @@ def summary_text(workload: Workload, settings: dict, top: int = 10) -> str:
     phases.append([f"fwd+bwd ({pass_label})", f"{sum(totals[f'{ph}_flops'] for ph in PHASES):.4e}",
                    f"{sum(totals[f'{ph}_bytes'] for ph in PHASES):.4e}",
                    f"{totals['step_estimated_ns'] / 1e6:.3f}"])
+    if "step_low_ns" in totals:
+        phases.append(["  90 % interval (the kernel families' held-out errors)", "", "",
+                       f"{totals['step_low_ns'] / 1e6:.3f}-{totals['step_high_ns'] / 1e6:.3f}"])
     host = host_bound_text(workload)
     costliest = sorted(workload.node_rows, key=lambda r: r.total_ns, reverse=True)[:top]
     top_rows = [[r.name, r.forward.op, f"{r.forward.estimated_ns / 1e6:.4f}", f"{r.backward_ns / 1e6:.4f}",
@@ -177,8 +180,10 @@ def cluster_summary_text(cluster) -> str:
     exposed = cluster.exposed_ns
     gpus = f"{p.world} GPU{'s' if p.world > 1 else ''}"
     micro = f"{p.micro_batches} micro-batch{'es' if p.micro_batches > 1 else ''}"
+    interval = cluster.step_interval_ns
     lines = [[f"cluster step ms ({gpus}, {schedule}, {micro})",
-              f"{cluster.step_ns / 1e6:.3f}"],
+              f"{cluster.step_ns / 1e6:.3f}" + (f" (90 %: {interval[0] / 1e6:.3f}-{interval[1] / 1e6:.3f})"
+                                               if interval else "")],
              ["pipeline bubble (busiest stage idle)", f"{100 * cluster.bubble_fraction:.1f}%"],
              ["exposed ms: tp / ep collectives (blocking)", f"{exposed['tp'] / 1e6:.3f} / {exposed['ep'] / 1e6:.3f}"],
              ["exposed ms: dp gradient reduction / ZeRO parameter gather",
@@ -322,13 +327,20 @@ def plan_text(result: dict, top: int = 10) -> str:
              r["micro_batch"], r["micro_batches"], f"{r['step_ms']:.1f}", f"{100 * r['mfu']:.1f}%",
              f"{r['tflops_per_gpu']:.0f}", f"{r['tokens_per_s_per_gpu']:,.0f}", f"{100 * r['bubble']:.1f}%",
              f"{r['exposed_gather_ms']:.1f}" if r["zero"] == 3 else "-",
-             f"{r['peak_bytes'] / 2 ** 30:.1f}"] for i, r in enumerate(ranked)]
+             f"{r['peak_bytes'] / 2 ** 30:.1f}", "~" if r.get("overlaps_best") else ""] for i, r in enumerate(ranked)]
     head = (f"{result['model']} on {result['gpus']} x {result['device']}, global batch {result['global_batch']} x seq "
             f"{result['seq']}, {result['dtype']}, stack {result['stack']}: {result['evaluated']:,} layouts evaluated from {result['shapes']} "
             f"captured rank shapes, {len(result['ranked']):,} fit")
     dropped = "\n".join(f"dropped: {count:,} {why}" for why, count in result["dropped"].items() if count)
+    close = sum(1 for r in result["ranked"] if r.get("overlaps_best"))
+    if result["ranked"] and close > 1:
+        best = result["ranked"][0]
+        dropped = (f"~best: {close - 1:,} more layouts' 90 % intervals overlap the best's "
+                   f"({best['step_low_ms']:.0f}-{best['step_high_ms']:.0f} ms): the estimates cannot order them\n"
+                   + dropped)
     table = tabulate(rows, headers=["#", "tp", "pp", "vpp", "dp", "ep", "sp", "zero", "recompute", "mbs", "mb",
-                                    "step_ms", "mfu", "tflops", "tok/s/gpu", "bubble", "zero3_gather_ms", "peak_gib"],
+                                    "step_ms", "mfu", "tflops", "tok/s/gpu", "bubble", "zero3_gather_ms", "peak_gib",
+                                    "~best"],
                      tablefmt="simple")
     return "\n\n".join([head, table if rows else "no layout fits in memory", dropped]) + "\n"
 

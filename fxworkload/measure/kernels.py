@@ -250,7 +250,8 @@ def relative_errors(samples: list[Sample], device: DeviceProfile) -> list[float]
 
 # Which parameters each family's rows decide, fitted in this order.
 FAMILY_PARAMETERS = {
-    "vector": ("memory_efficiency", "memory_cast_efficiency", "vector_kernel_ns", "host_dispatch_ns", "host_output_ns"),
+    "vector": ("memory_efficiency", "memory_cast_bytes_per_s_per_sm", "vector_kernel_ns", "host_dispatch_ns",
+               "host_output_ns"),
     "gemm": ("gemm_tensor_efficiency", "gemm_sm80_efficiency", "gemm_align1_efficiency", "gemm_fp32_efficiency",
              "gemm_tile_edge", "gemm_kernel_ns", "gemm_min_ns"),
     "sdpa": ("attention_kernel_ns", "cudnn_forward_efficiency", "cudnn_backward_efficiency",
@@ -291,6 +292,22 @@ def fit(samples: list[Sample], device: DeviceProfile, rounds: int = 6) -> GpuMod
 
 
 HOLDOUT_SEED = 0
+INTERVAL = (0.05, 0.95)  # the quantiles of measured / estimated an error interval spans: 90 %
+
+
+def error_intervals(held_out: list[Sample], device: DeviceProfile) -> dict[str, tuple[float, float]]:
+    """Per family, the 5th and 95th percentiles, over its classes (GEMM alignment and layout, attention
+    backend x dtype x mask x dropout x direction, memory-bound op), of each class's median measured /
+    estimated on rows the fit never saw. A step's kernels of one class share that class's bias; the rest
+    of a single kernel's error averages out over a step's many kernels."""
+    by_class: dict[tuple[str, str], list[float]] = {}
+    for s in held_out:
+        by_class.setdefault((s.family, s.group), []).append(s.measured_ns / estimate_ns(s, device))
+    out = {}
+    for family in sorted({family for family, _ in by_class}):
+        medians = sorted(statistics.median(r) for (f, _), r in by_class.items() if f == family)
+        out[family] = tuple(round(medians[int(q * (len(medians) - 1))], 4) for q in INTERVAL)
+    return out
 
 
 def target_of(device: DeviceProfile) -> GpuTarget:

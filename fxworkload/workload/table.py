@@ -96,6 +96,8 @@ class Workload:
     gradient_bytes: int
     step_peak_bytes: int = 0  # highest activations + temporaries + gradients live in one micro-batch's step
     activation_peak_bytes: int = 0  # the same without the parameter gradients
+    # per kernel family, the 90 % interval of measured / estimated on held-out kernels (the device's fit)
+    error_intervals: dict = field(default_factory=dict)
 
     @classmethod
     def of_rows(cls, rows: list, grad_dtype: torch.dtype, step_peak_bytes: int = 0,
@@ -142,12 +144,25 @@ class Workload:
         out["kernel_sum_ns"] = sum(out[f"{p}_estimated_ns"] for p in (FORWARD, INPUT_GRAD, WEIGHT_GRAD))
         out["dispatch_sum_ns"] = sum(op.dispatch_ns for op in ordered)
         out["step_estimated_ns"] = two_stream_ns([(op.dispatch_ns, op.estimated_ns) for op in ordered])
+        if self.error_intervals:  # each family's kernels off together (a bias shared by a kind of kernel)
+            for bound, name in ((0, "step_low_ns"), (1, "step_high_ns")):
+                out[name] = two_stream_ns([(op.dispatch_ns, op.estimated_ns * self.error_intervals.get(
+                    kernel_family(op), (1.0, 1.0))[bound]) for op in ordered])
         out["parameter_count"] = self.parameter_count  # trainable parameters (a count, not bytes)
         out["gradient_bytes"] = self.gradient_bytes
         out["saved_activation_bytes"] = self.saved_bytes
         out["step_peak_bytes"] = self.step_peak_bytes
         out["activation_peak_bytes"] = self.activation_peak_bytes
         return out
+
+
+def kernel_family(op: OpCost) -> str:
+    """Which family of the GPU model (and of its measured kernels) an op's time comes from."""
+    if op.attention is not None or op.kind == flop_rules.ATTENTION:
+        return "sdpa"
+    if op.kind == flop_rules.MATMUL:
+        return "gemm"
+    return "vector"
 
 
 def build(capture: Capture, model: torch.nn.Module, device: DeviceProfile | None, grad_dtype: torch.dtype,
@@ -214,7 +229,7 @@ def recost(workload: Workload, device: DeviceProfile) -> Workload:
     rows = [row if isinstance(row, GradRow) else replace(
         row, forward=cost(row.forward), input_grad=[cost(op) for op in row.input_grad],
         weight_grad=[cost(op) for op in row.weight_grad]) for row in workload.rows]
-    return replace(workload, rows=rows)
+    return replace(workload, rows=rows, error_intervals=device.error_intervals() if device.sm_count else {})
 
 
 def op_estimate_ns(op: OpCost, device: DeviceProfile) -> float:

@@ -83,6 +83,32 @@ def test_the_shipped_fit_holds_on_the_measured_gemms():
     assert statistics.median(errors) <= 0.10
 
 
+def _vector_kernel_ns(op: str, dtype: str, rows: int, cols: int, device) -> float:
+    from fxworkload.workload.table import op_estimate_ns
+
+    sample = kernels.vector_samples([{"op": op, "dtype": dtype, "rows": str(rows), "cols": str(cols), "us": "1",
+                                      "_line": 1}], kernels.target_of(device))[0]
+    return sum(op_estimate_ns(o, device) for o in sample.ops)
+
+
+def test_a_gpu_that_differs_only_in_bandwidth_does_not_speed_up_what_its_sms_bound():
+    """An H100 with an H200's 1.43x bandwidth and nothing else changed. By hand: a large vectorized add
+    is bound by DRAM, so it runs 1.43x faster less its fixed cost; a bf16 -> fp32 cast runs the unrolled
+    casting kernel, bound by the bytes its 132 SMs keep in flight over the memory latency (Little's law),
+    so it runs no faster."""
+    from dataclasses import replace
+
+    h100 = load("h100-sxm")
+    wider = replace(h100, memory_bytes_per_s=h100.memory_bytes_per_s * 4.8 / 3.35)
+    model = h100.gpu_model()
+    assert h100.sm_count * model.memory_cast_bytes_per_s_per_sm < h100.memory_bytes_per_s * model.memory_efficiency
+    add = [_vector_kernel_ns("add", "bf16", 32768, 8192, d) for d in (h100, wider)]
+    fixed = model.vector_kernel_ns
+    assert (add[0] - fixed) / (add[1] - fixed) == pytest.approx(4.8 / 3.35, rel=1e-6)
+    cast = [_vector_kernel_ns("to_fp32", "bf16", 32768, 8192, d) for d in (h100, wider)]
+    assert cast[0] == pytest.approx(cast[1], rel=1e-9)
+
+
 def test_a_kernel_csv_with_a_missing_column_or_a_bad_number_is_named(tmp_path):
     (tmp_path / "gemm.csv").write_text("dtype,m,k,n,us\nbf16,1,2,3,4\n")
     with pytest.raises(UserError, match=r"gemm.csv: missing column 'layout'"):

@@ -47,3 +47,24 @@ def test_the_summary_says_a_large_llama_step_is_gpu_bound(tmp_path):
                 num_hidden_layers=2, vocab_size=128256, max_position_embeddings=4096).save_pretrained(tmp_path)
     line, idle = _verdict(extract(str(tmp_path), batch=1, seq=4096, dtype="bf16", device="h100-sxm"))
     assert idle < HOST_BOUND_SHARE and re.match(r"GPU-bound: the host keeps ahead", line)
+
+
+def test_the_step_interval_moves_each_kernel_family_by_its_held_out_error(tmp_path):
+    """A GPU-bound step: with GEMMs bounded by x0.5-x2 and the other families exact, the step's
+    interval is the step less half / plus all of the GEMM kernels' time (a hand sum over the ops)."""
+    from dataclasses import replace
+
+    from fxworkload.workload.table import kernel_family
+
+    tiny_config("llama", hidden_size=2048, intermediate_size=5632, num_attention_heads=16, num_key_value_heads=4,
+                num_hidden_layers=2, vocab_size=32000, max_position_embeddings=4096).save_pretrained(tmp_path)
+    workload = extract(str(tmp_path), batch=1, seq=4096, dtype="bf16", device="h100-sxm").workload
+    assert workload.error_intervals  # the shipped fit carries them
+    totals = workload.totals
+    assert totals["step_low_ns"] <= totals["step_estimated_ns"] <= totals["step_high_ns"]
+    chosen = replace(workload, error_intervals={"gemm": (0.5, 2.0), "sdpa": (1.0, 1.0), "vector": (1.0, 1.0)})
+    gemm_ns = sum(op.estimated_ns for op in workload.execution_order() if kernel_family(op) == "gemm")
+    step = chosen.totals["step_estimated_ns"]
+    assert chosen.totals["step_high_ns"] == pytest.approx(step + gemm_ns, rel=1e-3)
+    # faster GEMMs can leave the GPU waiting on the host here and there: no lower than the hand figure
+    assert step - gemm_ns / 2 <= chosen.totals["step_low_ns"] <= (step - gemm_ns / 2) * 1.01
