@@ -1,0 +1,47 @@
+"""The shipped GPU profiles against their datasheets' figures, written here as the datasheets state
+them (dense tensor peaks: half the "with sparsity" figures the NVIDIA datasheets print)."""
+
+from __future__ import annotations
+
+import pytest
+
+from fxworkload.cost.devices import load
+
+# name: (FP32 TFLOPS, BF16/FP16 tensor TFLOPS as printed, printed with sparsity?, memory TB/s, memory GB, SMs)
+DATASHEETS = {
+    "h100-sxm": (67, 1979, True, 3.35, 80, 132),  # NVIDIA H100 datasheet, SXM column; SMs: H100 whitepaper
+    "h100-pcie": (51, 1513, True, 2.0, 80, 114),  # same datasheet, PCIe column; SMs: H100 whitepaper
+    "h100-nvl": (60, 1671, True, 3.9, 94, 132),  # same datasheet (2024), H100 NVL column
+    "h200": (67, 1979, True, 4.8, 141, 132),  # NVIDIA H200 datasheet
+    "a100-80gb": (19.5, 312, False, 2.039, 80, 108),  # NVIDIA A100 datasheet, SXM 80GB; SMs: A100 whitepaper
+    "a100-40gb": (19.5, 312, False, 1.555, 40, 108),
+    "l40s": (91.6, 362.05, False, 0.864, 48, 142),  # NVIDIA L40S datasheet (dense figure printed beside 733)
+    "b200": (600 / 8, 36000 / 8, True, 64 / 8, 1440 / 8, 148),  # DGX/HGX B200 datasheet, eight GPUs
+    "gb200": (5760 / 72, 360000 / 72, True, 576 / 72, 13400 / 72, 148),  # GB200 NVL72 datasheet, 72 GPUs
+}
+
+
+@pytest.mark.parametrize("name", sorted(DATASHEETS))
+def test_each_gpu_profile_holds_its_datasheets_figures(name):
+    fp32, tensor, sparse, tb_per_s, gb, sms = DATASHEETS[name]
+    profile = load(name)
+    dense = tensor / 2 if sparse else tensor
+    assert profile.matmul_flops_per_s["fp32"] == pytest.approx(fp32 * 1e12)
+    assert profile.matmul_flops_per_s["bf16"] == profile.matmul_flops_per_s["fp16"] == pytest.approx(dense * 1e12,
+                                                                                                       rel=1e-3)
+    assert profile.memory_bytes_per_s == pytest.approx(tb_per_s * 1e12)
+    assert profile.memory_capacity_bytes == pytest.approx(gb * 1e9, rel=0.01)
+    assert profile.sm_count == sms
+    for figure in ("matmul_flops_per_s", "memory_bytes_per_s", "sm_count", "memory_capacity_bytes", "arch",
+                   "intra_node_bytes_per_s", "gpu_model_fit"):
+        assert profile.sources.get(figure), (name, figure)  # every figure names where it comes from
+
+
+@pytest.mark.parametrize("name", ["h100-sxm", "h100-pcie", "l40s"])
+def test_an_fp32_peak_is_its_sms_lanes_and_clock(name):
+    """A consistency check of three independent figures: FP32 peak = SMs x FP32 lanes per SM (128 on
+    Hopper and Ada) x 2 (an FMA) x the boost clock (1,980 MHz H100 SXM, 1,755 MHz H100 PCIe as
+    nvidia-smi reports it, 2,520 MHz L40S per its datasheet), within 2 %."""
+    clock_hz = {"h100-sxm": 1.98e9, "h100-pcie": 1.755e9, "l40s": 2.52e9}[name]
+    profile = load(name)
+    assert profile.matmul_flops_per_s["fp32"] == pytest.approx(profile.sm_count * 128 * 2 * clock_hz, rel=0.02)
