@@ -126,8 +126,9 @@ def load(name: str) -> DeviceProfile:
 
 def _gpu_tokens(text: str) -> set[str]:
     """A GPU's model, memory and (for the other boards) form as names spell them:
-    'NVIDIA H100 80GB HBM3' -> {'H100', '80GB'}, 'NVIDIA H100 PCIe' -> {'H100', 'PCIE'}."""
-    return set(re.findall(r"\b[A-Z]\d{3}\b|\b\d+GB\b|\bPCIE\b|\bNVL\b", text.upper().replace("-", " ")))
+    'NVIDIA H100 80GB HBM3' -> {'H100', '80GB'}, 'NVIDIA H100 PCIe' -> {'H100', 'PCIE'},
+    'NVIDIA GB200' -> {'GB200'}, 'NVIDIA L40S' -> {'L40S'}, 'NVIDIA L4' -> {'L4'}."""
+    return set(re.findall(r"\b[A-Z]{1,2}\d{1,3}[A-Z]?\b|\b\d+GB\b|\bPCIE\b|\bNVL\b", text.upper().replace("-", " ")))
 
 
 def matching_gpu(device_name: str) -> str | None:
@@ -142,7 +143,7 @@ def matching_gpu(device_name: str) -> str | None:
         forms = {"PCIE", "NVL"}
         sizes = {t for t in tokens if t.endswith("GB")}
         models = tokens - sizes - forms
-        if (models <= found and tokens & forms == found & forms
+        if (models and models <= found and tokens & forms == found & forms
                 and (not {t for t in found if t.endswith("GB")} or sizes <= found)):
             return name
     return None

@@ -111,7 +111,11 @@ def test_a_gpu_name_finds_its_datasheet_profile():
     assert devices.matching_gpu("NVIDIA H100 80GB HBM3") == "h100-sxm"
     assert devices.matching_gpu("NVIDIA A100-SXM4-40GB") == "a100-40gb"
     assert devices.matching_gpu("NVIDIA H200") == "h200"
-    assert devices.matching_gpu("NVIDIA H100 PCIe") is None and devices.matching_gpu("NVIDIA L4") is None
+    assert devices.matching_gpu("NVIDIA H100 PCIe") == "h100-pcie"
+    assert devices.matching_gpu("NVIDIA H100 NVL") == "h100-nvl"
+    assert devices.matching_gpu("NVIDIA L40S") == "l40s" and devices.matching_gpu("NVIDIA L4") is None
+    assert devices.matching_gpu("NVIDIA B200") == "b200" and devices.matching_gpu("NVIDIA GB200") == "gb200"
+    assert devices.matching_gpu("NVIDIA RTX A6000") is None
 
 
 def test_calibrate_on_cuda_without_a_gpu_is_one_line():
