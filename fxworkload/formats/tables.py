@@ -208,6 +208,8 @@ def memory_summary_text(memory, device_name: str) -> str:
     lines = [["parameters (GiB, this rank, after ZeRO)", f"{memory.parameters_bytes / gib:.3f}"],
              ["gradients", f"{memory.gradients_bytes / gib:.3f}"],
              ["optimizer states (Adam)", f"{memory.optimizer_bytes / gib:.3f}"],
+             *([["gathered parameters kept forward to backward (--keep-gathered)",
+                 f"{memory.gathered_parameters_bytes / gib:.3f}"]] if memory.gathered_parameters_bytes else []),
              [f"saved activations ({memory.micro_batches_in_flight} micro-batch"
               f"{'es' if memory.micro_batches_in_flight > 1 else ''} in flight)",
               f"{memory.activations_bytes / gib:.3f}"],

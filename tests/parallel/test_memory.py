@@ -94,3 +94,17 @@ def test_interleaving_holds_korthikantis_extra_share_of_activations(vpp, tmp_pat
     saved = sum(row.saved_bytes for u in result.rank.units if u.block != "dp" for row in u.rows)
     factor = pp * (1 + (pp - 1) / (pp * vpp)) if vpp > 1 else pp
     assert result.memory.activations_bytes == pytest.approx(saved * factor, abs=1)
+
+
+def test_keeping_zero3s_gathered_parameters_holds_a_whole_copy_beside_the_shards(tiny_dirs):
+    """FSDP2's reshard_after_forward=False: at the end of the forward every unit's all-gathered parameters
+    are held: the rank's whole parameters in the step dtype (the real module's count x 2 bytes, bf16)."""
+    layout = dict(dp=4, zero=3)
+    freed = extract(str(tiny_dirs["llama"]), seq=16, dtype="bf16", parallel=Parallel(**layout)).memory
+    kept = extract(str(tiny_dirs["llama"]), seq=16, dtype="bf16",
+                   parallel=Parallel(**layout, reshard_after_forward=False)).memory
+    real = models.build_meta_model(models.resolve(str(tiny_dirs["llama"])), torch.bfloat16)
+    whole = sum(p.numel() for p in real.parameters()) * 2
+    assert freed.gathered_parameters_bytes == 0
+    assert kept.gathered_parameters_bytes == whole
+    assert kept.total_peak_bytes - freed.total_peak_bytes == whole
