@@ -189,9 +189,10 @@ def _extract_args(world) -> st.SearchStrategy[list[str]]:
         "--zero": _value(["0", "1", "2", "3"]), "--bucket-mb": _value(["0", "1", "25"]),
         "--pp-layers": _value(["1,1", "2,0", "1"]), "--stage": _value(["0", "1"]),
         "--vocab-multiple": _value(["1", "8", "64"]), "--name": _value(["run", "a.b_c-d"]),
-        "--recompute": _value(["none", "selective", "full"]), "--recompute-layers": _value(["1", "2"]),
+        "--recompute": _value(["none", "selective", "op", "full"]), "--recompute-layers": _value(["1", "2"]),
+        "--stack": _value(["eager", "fused", "compiled"]),
     }
-    flags = ["--sp", "--every-layer", "--no-cache"]
+    flags = ["--sp", "--every-layer", "--no-cache", "--keep-gathered", "--grad-reduce-after-backward"]
     chosen = st.dictionaries(st.sampled_from(sorted(options)), st.just(None), max_size=6).flatmap(
         lambda keys: st.fixed_dictionaries({k: options[k] for k in keys}))
     model = st.one_of(st.sampled_from(["gpt2", "llama", "mixtral"]), st.sampled_from(sorted(world["models"])))
