@@ -123,8 +123,8 @@ def evaluate_shape(model: str, shape: Shape, layouts: list, seq: int, dtype: str
         rows.append({"tp": p.tp, "pp": p.pp, "dp": p.dp, "ep": p.ep, "sp": p.sp, "vpp": p.vpp, "zero": p.zero,
                      "recompute": p.recompute, "micro_batch": shape.micro_batch, "micro_batches": p.micro_batches,
                      "step_ms": step.step_ns / 1e6, "mfu": step.mfu, "hfu": step.hfu,
-                     "step_low_ms": step.step_ns * step.interval_ratio[0] / 1e6,
-                     "step_high_ms": step.step_ns * step.interval_ratio[1] / 1e6,
+                     "step_low_ms": (step.step_interval_ns or (step.step_ns,) * 2)[0] / 1e6,
+                     "step_high_ms": (step.step_interval_ns or (step.step_ns,) * 2)[1] / 1e6,
                      "tflops_per_gpu": step.tflops_per_gpu, "tokens_per_s_per_gpu": step.tokens_per_s_per_gpu,
                      "bubble": step.bubble_fraction, "peak_bytes": peak,
                      "exposed_gather_ms": step.exposed_ns["zero3_gather"] / 1e6,
@@ -153,7 +153,7 @@ def plan(model: str, gpus: int, global_batch: int, seq: int, device: str = "h100
     rows = _run(model, groups, seq, dtype, device, workers, ray, progress, stack)
     fitting = sorted((r for r in rows if r["fits"]), key=lambda r: (r["step_ms"], -r["mfu"]))
     for row in fitting:  # within the best's error interval: the estimates cannot tell them apart
-        row["overlaps_best"] = bool(fitting) and row["step_low_ms"] <= fitting[0]["step_high_ms"]
+        row["overlaps_best"] = row["step_low_ms"] <= fitting[0]["step_high_ms"]
     dropped["does not fit in memory"] = sum(1 for r in rows if not r["fits"])
     return {"model": facts.name, "gpus": gpus, "global_batch": global_batch, "seq": seq, "dtype": dtype,
             "stack": stack, "device": profile.name, "evaluated": len(rows), "shapes": len(groups), "dropped": dropped,

@@ -71,7 +71,7 @@ def gpu_op_ns(op, device, dtype: str) -> float:
     if op.kind in (MATMUL, ATTENTION) and op.flops:  # other tensor-core ops: a cube of their size
         side = max(int(round((op.flops / 2) ** (1 / 3))), 1)
         return gemm_ns(side, side, side, 1, dtype, (8, 8, 8), facts, model)
-    if getattr(op, "fused_ops", 0):  # one kernel: each outside input read once, its outputs written once
+    if op.fused_ops:  # one kernel: each outside input read once, its outputs written once
         return memory_ns(op.bytes, facts, model)
     name = base_name(op.op)
     kernels, passes = CUDA_KERNELS.get(name, (1, 1.0))

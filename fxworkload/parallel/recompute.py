@@ -28,7 +28,7 @@ import torch
 from ..capture.trace import INPUT_GRAD
 from ..cost.flops import base_name
 from ..workload.layers import layer_of
-from ..workload.memory import ALLOCATION_ROUNDING_BYTES
+from ..workload.memory import allocated_bytes
 from ..workload.stacks import op_level_recomputed
 from ..workload.table import NodeRow, OpCost, Workload
 from .layout import Parallel, stage_layers
@@ -89,5 +89,5 @@ def _op_level_rows(workload: Workload, stack: str | None) -> set[int]:
 
 def _output_bytes(op: OpCost) -> int:
     """The bytes of an op's outputs as the allocator holds them."""
-    sizes = (math.prod(shape) * getattr(torch, dtype).itemsize for shape, dtype in zip(op.output_shapes, op.output_dtypes))
-    return sum(-(-size // ALLOCATION_ROUNDING_BYTES) * ALLOCATION_ROUNDING_BYTES for size in sizes)
+    return sum(allocated_bytes(math.prod(shape) * getattr(torch, dtype).itemsize)
+               for shape, dtype in zip(op.output_shapes, op.output_dtypes))

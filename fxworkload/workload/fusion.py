@@ -1,8 +1,8 @@
 """Pointwise chains run as one kernel: the regions a fusing stack (Megatron-LM / Transformer Engine's
 fused kernels, inductor's) turns into single kernels, and the bytes each such kernel moves.
 
-A region is a connected set of fusible ops (elementwise, casts and copies, norms, row reductions,
-views; not the norms, kernels of their own) of one phase that lie between the same non-fusible kernels (GEMMs, attention, gathers, the
+A region is a connected set of fusible ops (elementwise, casts and copies, row reductions, views) of
+one phase that lie between the same non-fusible kernels (GEMMs, attention, norms, gathers, the
 loss): every fusible op gets a *level*, the number of non-fusible ops on its longest path from the
 graph's inputs, and only ops of one level join, so no region both feeds and waits for a GEMM
 (which would make it two kernels). A region's kernel reads each tensor from outside it once and

@@ -88,7 +88,8 @@ class SavePolicy:
     is kept (eager autograd; fused kernels, which re-make their internal values from their kept
     inputs); ``recomputed``: forward ops run again in backward (recomputation), whose values are not
     kept for their own backward (another op's backward, as the out-projection's of the attention
-    core's output, still reads the kept value). A backward read of a value not kept reads the kept values it is re-made from."""
+    core's output, still reads the kept value). A backward read of a value not kept reads the kept
+    values it is re-made from."""
     regions: Regions | None = None
     saved: frozenset[torch.fx.Node] | None = None
     recomputed: frozenset[torch.fx.Node] = frozenset()
@@ -119,7 +120,8 @@ class SavePolicy:
                 continue
             seen.add(current)
             value = value_of.get(current)
-            if value is None or current not in made_by or (current in created and self.kept(current, value, made_by[current], reader)):
+            kept = current in created and self.kept(current, value, made_by[current], reader)
+            if value is None or current not in made_by or kept:
                 found.append(current)
                 continue
             todo.extend(k for source in made_by[current].all_input_nodes for k, _ in _storages(source))
@@ -145,9 +147,10 @@ def _storages(node: torch.fx.Node) -> list[tuple[StorageWeakRef, int]]:
     for value in torch.utils._pytree.tree_leaves(node.meta.get("val")):
         if isinstance(value, torch.Tensor):
             storage = value.untyped_storage()
-            found.append((StorageWeakRef(storage), _rounded(storage.nbytes())))
+            found.append((StorageWeakRef(storage), allocated_bytes(storage.nbytes())))
     return found
 
 
-def _rounded(nbytes: int) -> int:
+def allocated_bytes(nbytes: int) -> int:
+    """What the caching allocator holds for a tensor of ``nbytes``."""
     return -(-nbytes // ALLOCATION_ROUNDING_BYTES) * ALLOCATION_ROUNDING_BYTES

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..errors import UserError
+
 STACK_NAMES = ("eager", "fused", "compiled")
 
 
@@ -38,8 +40,6 @@ STACKS = {
 
 
 def check_stack(name: str) -> Stack:
-    from ..errors import UserError
-
     if name not in STACKS:
         raise UserError(f"unknown --stack {name!r}: use one of {', '.join(STACK_NAMES)}")
     return STACKS[name]

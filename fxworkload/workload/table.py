@@ -131,7 +131,7 @@ class Workload:
         rows = self.node_rows
         return [r.forward for r in rows] + [op for r in reversed(rows) for op in r.input_grad + r.weight_grad]
 
-    @property
+    @functools.cached_property
     def totals(self) -> dict:
         """Whole-step figures: flops, bytes and estimated ns per phase, kernel and dispatch sums, the step."""
         out = {}
@@ -207,10 +207,9 @@ def _fused_costs(costs: dict, found: Regions, device: DeviceProfile | None) -> d
     for region, members in found.members.items():
         lead = found.lead(region)
         kernels = [n for n in members if not is_alias(n.target)]
-        fused = replace(costs[lead], flops=sum(costs[n].flops for n in kernels), fused_ops=len(kernels),
-                        bytes=traffic_bytes(region, found, read_as=functools.partial(made_from, regions=found)))
-        costs[lead] = fused if device is None else replace(fused, estimated_ns=op_estimate_ns(fused, device),
-                                                           dispatch_ns=op_dispatch_ns(fused, device))
+        costs[lead] = timed(replace(costs[lead], flops=sum(costs[n].flops for n in kernels), fused_ops=len(kernels),
+                                    bytes=traffic_bytes(region, found, read_as=functools.partial(made_from, regions=found))),
+                            device)
         for node in kernels:
             if node is not lead:
                 costs[node] = replace(costs[node], flops=0, bytes=0, estimated_ns=0.0, dispatch_ns=0.0, fused=True)
@@ -223,13 +222,20 @@ def recost(workload: Workload, device: DeviceProfile) -> Workload:
 
     def cost(op: OpCost) -> OpCost:
         if id(op) not in costed:
-            costed[id(op)] = replace(op, estimated_ns=op_estimate_ns(op, device), dispatch_ns=op_dispatch_ns(op, device))
+            costed[id(op)] = timed(op, device)
         return costed[id(op)]
 
     rows = [row if isinstance(row, GradRow) else replace(
         row, forward=cost(row.forward), input_grad=[cost(op) for op in row.input_grad],
         weight_grad=[cost(op) for op in row.weight_grad]) for row in workload.rows]
     return replace(workload, rows=rows, error_intervals=device.error_intervals() if device.sm_count else {})
+
+
+def timed(op: OpCost, device: DeviceProfile | None) -> OpCost:
+    """The op with its kernel and host times on ``device``; as it is with no device."""
+    if device is None:
+        return op
+    return replace(op, estimated_ns=op_estimate_ns(op, device), dispatch_ns=op_dispatch_ns(op, device))
 
 
 def op_estimate_ns(op: OpCost, device: DeviceProfile) -> float:
@@ -269,9 +275,7 @@ def cost_of(node: torch.fx.Node, phase: str, device: DeviceProfile | None) -> Op
         gemm_batch=flop_rules.gemm_batch(node.target, args), grouped_gemm=flop_rules.grouped_gemm_shape(node.target, args),
         attention=attention_facts(node.target, args, kwargs),
         sdpa_backend=node.meta.get("custom", {}).get(BACKEND_KEY) or OP_BACKEND.get(flop_rules.op_name(node.target)))
-    if device is None:
-        return op
-    return replace(op, estimated_ns=op_estimate_ns(op, device), dispatch_ns=op_dispatch_ns(op, device))
+    return timed(op, device)
 
 
 def _main_ops(forward_nodes, module_of, costs, model) -> dict[torch.fx.Node, str]:
