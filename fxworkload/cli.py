@@ -127,7 +127,10 @@ def build_parser() -> argparse.ArgumentParser:
     models.add_argument("--parameters", action="store_true",
                         help="also count each model's trainable parameters (builds it on the meta device: imports torch)")
     models.set_defaults(func=run_models)
-    commands.add_parser("devices", help="list the device profiles").set_defaults(func=run_devices)
+    shown = commands.add_parser("devices", help="list the device profiles, or one profile's figures and sources")
+    shown.add_argument("name", nargs="?", default=None,
+                       help="a profile: print each figure, whether it is a datasheet fact, fitted or assumed, and its source")
+    shown.set_defaults(func=run_devices)
     return parser
 
 
@@ -507,19 +510,23 @@ def run_devices(args) -> int:
 
     from .cost import devices
 
+    if args.name is not None:
+        return _device_figures(devices.load(args.name))
     rows = []
     for name in devices.names():
         if name == "cpu":
             paths = devices.measured_cpu_paths()
             if not paths:
                 rows.append(["cpu", "this machine's CPU, not measured yet: 'fxworkload calibrate' measures it "
-                                    "(extract --device cpu does on first use)", *["-"] * 8])
+                                    "(extract --device cpu does on first use)", *["-"] * 9])
             rows += [_device_row("cpu", lambda path=path: devices.read(path), f" [{path.stem}]") for path in paths]
             continue
         rows.append(_device_row(name, lambda name=name: devices.load(name)))
-    print(tabulate(rows, headers=["name", "description", "fp32_tflops", "bf16_tflops", "fp16_tflops",
-                                  "vector_tflops", "memory_gb_per_s", "e_compute", "e_memory", "launch_us"]))
-    print(f"\nSources of every figure: the JSON files in {devices.DATA_DIR}/ (measured ones in {devices.cache_dir()}/devices/)")
+    print(tabulate(rows, headers=["name", "description", "fp32_tflops", "bf16_tflops", "fp8_tflops",
+                                  "memory_gb_per_s", "memory_gb", "sms", "launch_us", "figures"]))
+    print(f"\nfigures: how many of a profile's figures are datasheet facts, fitted on measured kernels, or assumed; "
+          f"'fxworkload devices NAME' lists each with its source (the JSON files in {devices.DATA_DIR}/, measured ones "
+          f"in {devices.cache_dir()}/devices/)")
     return 0
 
 
@@ -528,9 +535,32 @@ def _device_row(name: str, load, note: str = "") -> list:
         d = load()
     except UserError as exc:  # one corrupt measured profile does not hide the others
         return [name, f"unreadable: {exc}", *["-"] * 8]
-    return [name, d.description + note, *(f"{d.matmul_flops_per_s[k] / 1e12:.3g}" for k in ("fp32", "bf16", "fp16")),
-            f"{d.vector_flops_per_s / 1e12:.3g}", f"{d.memory_bytes_per_s / 1e9:.0f}",
-            d.compute_efficiency, d.memory_efficiency, f"{d.kernel_launch_ns / 1e3:.2f}"]
+    kinds = list(d.figure_kinds().values())
+    counted = ", ".join(f"{kinds.count(k)} {k}" for k in ("datasheet", "fitted", "assumed") if kinds.count(k))
+    fp8 = d.matmul_flops_per_s.get("fp8")
+    return [name, d.description + note, *(f"{d.matmul_flops_per_s[k] / 1e12:.4g}" for k in ("fp32", "bf16")),
+            f"{fp8 / 1e12:.4g}" if fp8 else "-", f"{d.memory_bytes_per_s / 1e9:.0f}",
+            f"{d.memory_capacity_bytes / 1e9:.0f}" if d.memory_capacity_bytes else "-", d.sm_count or "-",
+            f"{d.kernel_launch_ns / 1e3:.2f}", counted or "measured"]
+
+
+def _device_figures(d) -> int:
+    from tabulate import tabulate
+
+    kinds = d.figure_kinds()
+    rows = [[figure, _figure_value(d, figure), kinds[figure], source] for figure, source in d.sources.items()]
+    print(f"{d.name}: {d.description}")
+    print(tabulate(rows, headers=["figure", "value", "kind", "source"], maxcolwidths=[None, 40, None, 90]))
+    return 0
+
+
+def _figure_value(d, figure: str) -> str:
+    value = getattr(d, figure, None)
+    if isinstance(value, dict):
+        return ", ".join(f"{k} {v:.4g}" for k, v in value.items())
+    if isinstance(value, list):
+        return " > ".join(map(str, value))
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -109,8 +109,19 @@ def test_models_without_parameter_counts_reads_the_configs_alone():
 def test_devices_lists_the_profiles():
     run = fxworkload("devices")
     assert run.returncode == 0
-    for name in ("a100-40gb", "a100-80gb", "h100-sxm", "h200", "cpu"):
+    for name in ("a100-40gb", "a100-80gb", "h100-sxm", "h200", "b200", "gb200", "h20", "mi300x", "mi325x", "cpu"):
         assert name in run.stdout
+    mi300x = next(line for line in run.stdout.splitlines() if line.startswith("mi300x "))
+    assert "2615" in mi300x and "assumed" in mi300x  # the data sheet's dense FP8 peak; its fit is an H100's
+
+
+def test_devices_name_lists_each_figure_with_its_kind_and_source():
+    run = fxworkload("devices", "h100-sxm")
+    assert run.returncode == 0
+    fit = next(line for line in run.stdout.splitlines() if line.startswith("gpu_model_fit"))
+    assert "fitted" in fit and "H100" in fit
+    bad = fxworkload("devices", "no-such-gpu")
+    assert bad.returncode != 0 and "unknown device" in bad.stderr and "Traceback" not in bad.stderr
 
 
 def _bad_inputs(tmp_path, tiny_dirs):

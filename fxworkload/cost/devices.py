@@ -70,8 +70,27 @@ class DeviceProfile:
                 for family, (low, high) in read_fit(self.gpu_model_fit).get("intervals", {}).items()}
 
     def compute_capability(self) -> tuple[int, int]:
+        """(major, minor) as torch.cuda.get_device_capability reports it; on ROCm a gfx target
+        gfxMmS reads as (M, m): gfx942 (MI300X) -> (9, 4)."""
+        if self.arch.startswith("gfx"):
+            digits = self.arch.removeprefix("gfx")
+            return int(digits[:-2]), int(digits[-2], 16)
         digits = self.arch.removeprefix("sm")
         return int(digits[:-1]), int(digits[-1])
+
+    def figure_kinds(self) -> dict[str, str]:
+        """Per figure with a source: datasheet (a published fact), fitted (measured data fitted on a
+        GPU the source names) or assumed (neither: a stated guess, or another GPU's fit carried over)."""
+        return {figure: figure_kind(text) for figure, text in self.sources.items()}
+
+
+def figure_kind(source: str) -> str:
+    text = source.lower()
+    if text.startswith("assumed") or "no public" in text or "publishes no" in text:
+        return "assumed"
+    if text.startswith(("fitted", "measured", "the free parameters")):
+        return "fitted"
+    return "datasheet"
 
 
 @functools.cache

@@ -7,25 +7,33 @@ import pytest
 
 from fxworkload.cost.devices import load
 
-# name: (FP32 TFLOPS, BF16/FP16 tensor TFLOPS as printed, printed with sparsity?, memory TB/s, memory GB, SMs)
+# name: (FP32 TFLOPS, BF16/FP16 tensor TFLOPS as printed, FP8 tensor TFLOPS as printed (None: no FP8),
+#        printed with sparsity?, memory TB/s, memory GB, SMs or CUs)
 DATASHEETS = {
-    "h100-sxm": (67, 1979, True, 3.35, 80, 132),  # NVIDIA H100 datasheet, SXM column; SMs: H100 whitepaper
-    "h100-pcie": (51, 1513, True, 2.0, 80, 114),  # same datasheet, PCIe column; SMs: H100 whitepaper
-    "h100-nvl": (60, 1671, True, 3.9, 94, 132),  # same datasheet (2024), H100 NVL column
-    "h200": (67, 1979, True, 4.8, 141, 132),  # NVIDIA H200 datasheet
-    "a100-80gb": (19.5, 312, False, 2.039, 80, 108),  # NVIDIA A100 datasheet, SXM 80GB; SMs: A100 whitepaper
-    "a100-40gb": (19.5, 312, False, 1.555, 40, 108),
-    "l40s": (91.6, 362.05, False, 0.864, 48, 142),  # NVIDIA L40S datasheet (dense figure printed beside 733)
-    "b200": (600 / 8, 36000 / 8, True, 64 / 8, 1440 / 8, 148),  # DGX/HGX B200 datasheet, eight GPUs
-    "gb200": (5760 / 72, 360000 / 72, True, 576 / 72, 13400 / 72, 148),  # GB200 NVL72 datasheet, 72 GPUs
+    "h100-sxm": (67, 1979, 3958, True, 3.35, 80, 132),  # NVIDIA H100 datasheet, SXM column; SMs: H100 whitepaper
+    "h100-pcie": (51, 1513, 3026, True, 2.0, 80, 114),  # same datasheet, PCIe column; SMs: H100 whitepaper
+    "h100-nvl": (60, 1671, 3341, True, 3.9, 94, 132),  # same datasheet (2024), H100 NVL column
+    "h200": (67, 1979, 3958, True, 4.8, 141, 132),  # NVIDIA H200 datasheet
+    "a100-80gb": (19.5, 312, None, False, 2.039, 80, 108),  # NVIDIA A100 datasheet, SXM 80GB; SMs: A100 whitepaper
+    "a100-40gb": (19.5, 312, None, False, 1.555, 40, 108),
+    "l40s": (91.6, 362.05, 733, False, 0.864, 48, 142),  # NVIDIA L40S datasheet (dense figures printed beside the sparse)
+    "b200": (600 / 8, 36000 / 8, 72000 / 8, True, 64 / 8, 1440 / 8, 148),  # DGX/HGX B200 datasheet, eight GPUs
+    "gb200": (5760 / 72, 360000 / 72, 720000 / 72, True, 576 / 72, 13400 / 72, 148),  # GB200 NVL72 datasheet, 72 GPUs
+    "h20": (44, 148, 296, False, 4.0, 96, 78),  # partners' specification sheet as reported (no NVIDIA datasheet)
+    "mi300x": (163.4, 1307.4, 2614.9, False, 5.3, 192, 304),  # AMD Instinct MI300X data sheet (dense figures)
+    "mi325x": (163.4, 1307.4, 2614.9, False, 6.0, 256, 304),  # AMD Instinct MI325X data sheet
 }
 
 
 @pytest.mark.parametrize("name", sorted(DATASHEETS))
 def test_each_gpu_profile_holds_its_datasheets_figures(name):
-    fp32, tensor, sparse, tb_per_s, gb, sms = DATASHEETS[name]
+    fp32, tensor, fp8, sparse, tb_per_s, gb, sms = DATASHEETS[name]
     profile = load(name)
     dense = tensor / 2 if sparse else tensor
+    if fp8 is None:
+        assert "fp8" not in profile.matmul_flops_per_s
+    else:
+        assert profile.matmul_flops_per_s["fp8"] == pytest.approx((fp8 / 2 if sparse else fp8) * 1e12, rel=1e-3)
     assert profile.matmul_flops_per_s["fp32"] == pytest.approx(fp32 * 1e12)
     assert profile.matmul_flops_per_s["bf16"] == profile.matmul_flops_per_s["fp16"] == pytest.approx(dense * 1e12,
                                                                                                        rel=1e-3)
@@ -45,3 +53,23 @@ def test_an_fp32_peak_is_its_sms_lanes_and_clock(name):
     clock_hz = {"h100-sxm": 1.98e9, "h100-pcie": 1.755e9, "l40s": 2.52e9}[name]
     profile = load(name)
     assert profile.matmul_flops_per_s["fp32"] == pytest.approx(profile.sm_count * 128 * 2 * clock_hz, rel=0.02)
+
+
+@pytest.mark.parametrize("name", ["mi300x", "mi325x"])
+def test_a_cdna3_peak_is_its_cus_matrix_rate_and_clock(name):
+    """AMD CDNA 3 whitepaper (2023), peak FLOPs per clock per CU: 2,048 FP16/BF16 and 4,096 FP8 (dense),
+    at the data sheets' 2,100 MHz peak engine clock and 304 CUs."""
+    profile = load(name)
+    assert profile.matmul_flops_per_s["bf16"] == pytest.approx(304 * 2048 * 2.1e9, rel=1e-3)
+    assert profile.matmul_flops_per_s["fp8"] == pytest.approx(304 * 4096 * 2.1e9, rel=1e-3)
+    assert profile.compute_capability() == (9, 4)  # what ROCm's torch.cuda.get_device_capability() gives gfx942
+    assert "cudnn" not in profile.sdpa_priority  # ROCm builds have no cuDNN attention
+
+
+def test_each_figure_says_whether_it_is_a_datasheet_fact_fitted_or_assumed():
+    h100, h20, mi300x = load("h100-sxm"), load("h20"), load("mi300x")
+    assert h100.figure_kinds()["gpu_model_fit"] == "fitted"  # fitted on its own kernels
+    assert mi300x.figure_kinds()["gpu_model_fit"] == "assumed"  # an H100's fit carried over
+    assert h100.figure_kinds()["memory_bytes_per_s"] == mi300x.figure_kinds()["memory_bytes_per_s"] == "datasheet"
+    assert h20.figure_kinds()["memory_bytes_per_s"] == "assumed"  # no NVIDIA datasheet publishes it
+    assert mi300x.figure_kinds()["inter_node_bytes_per_s"] == "assumed"
