@@ -10,9 +10,14 @@
   80GB, tensor parallelism 8; their MFU counts eq. 3 without the recomputed forward
   (72·B·s·l·h²(1 + s/6h + V/12lh)); here, as TFLOP/s per GPU of that count over their time.
 - The Llama 3 paper (Dubey et al. 2024), Table 4: Llama 3 405B (126 layers, hidden 16,384, 128
-  heads, 8 KV heads, FFN 53,248, vocabulary 128,256) on H100 80GB, seq 8,192, bf16; TFLOP/s per
-  GPU as model FLOPs (the paper reports MFU). The rows with context parallelism are left out
-  (fxworkload does not model CP).
+  heads, 8 KV heads, FFN 53,248, vocabulary 128,256) on H100 80GB, bf16: seq 8,192 on 8,192 and
+  16,384 GPUs, and seq 131,072 with context parallelism 16 (TP8 CP16 PP16 DP8, 16 sequences per
+  DP rank), whose CP all-gathers keys and values (its section 3.3.2). The paper reports MFU and
+  TFLOP/s per GPU but not its FLOP count; here, as FlashAttention's benchmarks count a causal
+  kernel (benchmarks/benchmark_flash_attention.py: ``4·b·s²·heads·head_dim // (2 if causal else 1)``),
+  6 FLOPs per parameter per token (the embedding's lookup not counted) plus 6·l·s·h per token for
+  causal attention's two matmuls, forward and backward. At seq 131,072 attention is 40 % of that
+  count; counted without the causal half (torch's FlopCounterMode), it would be 58 %.
 
 Every row runs with the stack its paper used (``--stack fused``: Megatron-LM's fused kernels, and
 Meta's for Llama 3); the two Megatron-LM papers predate flash attention, so their GPT rows run the
@@ -30,6 +35,13 @@ interleaved schedule (1, 2 or 4 where they divide), recomputation for Llama 3 (n
 full), and for Llama 3 the uneven first and last stages (126 layers on 16 stages: 7, 8 x 14, 7,
 interleaved with the short chunks where the embedding and the head sit, as the paper's adjusted
 schedule allows); the fastest layout that fits is kept.
+
+- Megatron-Bridge's "Performance" page (NVIDIA NeMo 25.11 container), pre-training with FP8 current
+  scaling on DGX-H100 (Llama 3 70B on 64 GPUs, TP4 PP8 VP5; Llama 3.1 405B on 1,024 GPUs, TP8 PP8 CP2
+  VP8) and DGX-B200 (Llama 3.1 405B on 128 GPUs, TP4 PP8 CP2 VP8): tokens/s per GPU, compared as
+  such (no FLOP convention needed). They run ``--fp8`` (Transformer Engine's FP8 linear layers),
+  ``--stack fused``, sequence parallelism, ZeRO 1 and Megatron-Core's ring CP; the recomputation is
+  chosen as for Llama 3.
 
     .venv/bin/python bench/published.py                 # all rows (several minutes: one capture per row)
     .venv/bin/python bench/published.py --only 1.7B,18.4B
@@ -69,8 +81,15 @@ KORTHIKANTI = {"22B": (64, 6144, 48, 8, 1, 8, 4, 4, 1.10), "175B": (96, 12288, 9
 LLAMA_405B = dict(model_type="llama", hidden_size=16384, intermediate_size=53248, num_hidden_layers=126,
                   num_attention_heads=128, num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192,
                   rope_theta=500000.0, rms_norm_eps=1e-5, architectures=["LlamaForCausalLM"])
-# name: (tp, pp, dp, sequences per DP rank, published TFLOP/s per GPU)
-LLAMA = {"405B 8192 GPUs": (8, 16, 64, 32, 430), "405B 16384 GPUs": (8, 16, 128, 16, 400)}
+# Megatron-Bridge "Performance" page, 25.11 NeMo container, pre-training with FP8 current scaling
+# (FP8-CS), DDP, seq 8192, micro-batch 1; tokens/s per GPU.
+# name: (config, layers, device, gpus, tp, pp, cp, vp, global batch, pp_layers, published tokens/s/GPU)
+NEMO_FP8 = {"Llama 3 70B FP8 H100": ("llama-3-70b", 80, "h100-sxm", 64, 4, 8, 1, 5, 128, None, 1602),
+            "Llama 3.1 405B FP8 H100": ("405b", 126, "h100-sxm", 1024, 8, 8, 2, 8, 512, (15, *[16] * 6, 15), 292),
+            "Llama 3.1 405B FP8 B200": ("405b", 126, "b200", 128, 4, 8, 2, 8, 64, (15, *[16] * 6, 15), 661)}
+# name: (tp, cp, pp, dp, seq, sequences per DP rank, published TFLOP/s per GPU)
+LLAMA = {"405B 8192 GPUs": (8, 1, 16, 64, 8192, 32, 430), "405B 16384 GPUs": (8, 1, 16, 128, 8192, 16, 400),
+         "405B 131072 tokens": (8, 16, 16, 8, 131072, 16, 380)}
 
 
 def gpt_folder(root: Path, name: str, layers: int, hidden: int, heads: int) -> str:
@@ -114,38 +133,85 @@ def korthikanti_row(name: str, root: Path) -> list:
 
 
 def llama_row(name: str, root: Path) -> list:
+    tp, cp, pp, dp, seq, per_dp, published = LLAMA[name]
+    folder = _llama_405b(root)
+    best = best_layout(str(folder), tp, pp, dp, dp * per_dp, seq, "bf16", "h100-sxm", 126,
+                       recompute=("none", "selective", "full"), pp_layers=(7, *[8] * 14, 7), sp=True, zero=1,
+                       grad_dtype="fp32", cp=cp, cp_comm="allgather", partial_recompute=True)
+    gpus = tp * cp * pp * dp
+    ours = llama_flops_per_token(seq) * dp * per_dp * seq / (best["step_ms"] / 1e3) / gpus / 1e12
+    return [f"Llama 3 {name}", f"tp{tp} cp{cp} pp{pp} dp{dp}", gpus, describe(best), published,
+            f"{ours:.0f}", f"{100 * (ours / published - 1):+.2f}%"]
+
+
+def llama_flops_per_token(seq: int) -> float:
+    """Training FLOPs per token of Llama 3 405B: 6 per non-embedding parameter, and causal attention's
+    QK^T and AV (2·2·s·h forward over the whole square, half of it causal, three passes)."""
+    c = LLAMA_405B
+    h, layers, ffn, vocab = c["hidden_size"], c["num_hidden_layers"], c["intermediate_size"], c["vocab_size"]
+    kv = c["num_key_value_heads"] * h // c["num_attention_heads"]
+    per_layer = 2 * h * h + 2 * h * kv + 3 * h * ffn
+    parameters = layers * per_layer + h * vocab  # the output head; norms are negligible
+    return 6 * parameters + 6 * layers * seq * h
+
+
+def nemo_fp8_row(name: str, root: Path) -> list:
+    """Tokens/s per GPU, which needs no FLOP convention. The 405B rows' 126 layers on 8 x 8 virtual
+    stages: one layer short on the first and the last stage (Megatron-Bridge accounts the embedding and
+    the loss as a layer each)."""
+    config, layers, device, gpus, tp, pp, cp, vpp, batch, pp_layers, published = NEMO_FP8[name]
+    model = config if config != "405b" else str(_llama_405b(root))
+    dp = gpus // (tp * pp * cp)
+    best = best_layout(model, tp, pp, dp, batch, 8192, "bf16", device, layers, recompute=("none", "selective", "full"),
+                       pp_layers=pp_layers, sp=True, zero=1, micro_batches=(1,), cp=cp, vpps=(vpp,), fp8=True,
+                       partial_recompute=True)
+    ours = best["tokens_per_s_per_gpu"]
+    return [name, f"tp{tp} cp{cp} pp{pp} vp{vpp} dp{dp}", gpus, describe(best), f"{published} tok/s",
+            f"{ours:.0f} tok/s", f"{100 * (ours / published - 1):+.2f}%"]
+
+
+def _llama_405b(root: Path) -> Path:
     from transformers import LlamaConfig
 
-    tp, pp, dp, per_dp, published = LLAMA[name]
     folder = root / "llama-3-405b"
     if not folder.exists():
         LlamaConfig(**{k: v for k, v in LLAMA_405B.items() if k != "model_type"}).save_pretrained(folder)
-    best = best_layout(str(folder), tp, pp, dp, dp * per_dp, 8192, "bf16", "h100-sxm", 126,
-                       recompute=("none", "selective", "full"), pp_layers=(7, *[8] * 14, 7), sp=True, zero=1,
-                       grad_dtype="fp32")
-    return [f"Llama 3 {name}", f"tp{tp} pp{pp} dp{dp}", tp * pp * dp, describe(best), published,
-            f"{best['tflops_per_gpu']:.0f}", f"{100 * (best['tflops_per_gpu'] / published - 1):+.2f}%"]
+    return folder
 
 
 def best_layout(model, tp, pp, dp, batch, seq, dtype, device, layers, recompute, pp_layers, sp, zero,
-                micro_batches=(1, 2, 4), overlap_grad_reduce=True, grad_dtype=None) -> dict:
+                micro_batches=(1, 2, 4), overlap_grad_reduce=True, grad_dtype=None, cp=1, cp_comm="p2p",
+                partial_recompute=False, vpps=(1, 2, 4), fp8=False) -> dict:
     rows = []
     for micro_batch in micro_batches:
         if batch % (dp * micro_batch):
             continue
         m = batch // (dp * micro_batch)
-        layouts = [Parallel(tp=tp, pp=pp, dp=dp, sp=sp and tp > 1, micro_batches=m, zero=zero, recompute=r, vpp=v,
-                            pp_layers=pp_layers, overlap_grad_reduce=overlap_grad_reduce)
-                   for r, v in itertools.product(recompute, (1, 2, 4))
+        layouts = [Parallel(tp=tp, pp=pp, dp=dp, cp=cp, cp_comm=cp_comm, sp=sp and tp > 1, micro_batches=m, zero=zero,
+                            recompute=r, recompute_layers=n, vpp=v, pp_layers=pp_layers,
+                            overlap_grad_reduce=overlap_grad_reduce)
+                   for r, v in itertools.product(recompute, vpps)
                    if v == 1 or (pp > 1 and m % pp == 0 and (min(pp_layers) >= v if pp_layers
-                                                            else layers % (pp * v) == 0))]
-        rows += evaluate_shape(model, Shape(tp, 1, micro_batch), layouts, seq, dtype, device, STACK, grad_dtype)
+                                                            else layers % (pp * v) == 0))
+                   for n in _partial(r, v, pp_layers or (layers // pp,), partial_recompute)]
+        rows += evaluate_shape(model, Shape(tp, 1, micro_batch, cp), layouts, seq, dtype, device, STACK, grad_dtype,
+                               fp8)
     fitting = [r for r in rows if r["fits"]] or rows
     return min(fitting, key=lambda r: r["step_ms"]) | {"any_fits": any(r["fits"] for r in rows)}
 
 
+def _partial(recompute: str, vpp: int, pp_layers, wanted: bool) -> list:
+    """None (every layer), and with ``wanted`` full recomputation of the first 1 .. n-1 layers of each
+    model chunk too (Megatron-LM's --recompute-num-layers): as little as makes the step fit."""
+    if not wanted or recompute != "full":
+        return [None]
+    fewest, most = min(pp_layers) // vpp, -(-max(pp_layers) // vpp)  # layers of the smallest and largest chunk
+    return [None, *range(1, min(fewest, most - 1) + 1)]
+
+
 def describe(row: dict) -> str:
-    return (f"mbs {row['micro_batch']}, vpp {row['vpp']}, recompute {row['recompute']}, "
+    layers = f" ({row['recompute_layers']} layers/chunk)" if row.get("recompute_layers") else ""
+    return (f"mbs {row['micro_batch']}, vpp {row['vpp']}, recompute {row['recompute']}{layers}, "
             f"{row['step_ms'] / 1e3:.2f} s/step, {row['peak_bytes'] / 2 ** 30:.0f} GiB"
             + ("" if row["any_fits"] else " (none fits)"))
 
@@ -169,8 +235,13 @@ def main() -> None:
         if wanted is None or name in wanted:
             rows.append(llama_row(name, root))
             print(" | ".join(map(str, rows[-1])), file=sys.stderr, flush=True)
-    print(tabulate(rows, headers=["model", "layout", "gpus", "chosen (unsaid by the paper)", "published_tflops",
-                                  "ours_tflops", "ours_vs_published"], tablefmt="github"))
+    for name in NEMO_FP8:
+        if wanted is None or name in wanted:
+            rows.append(nemo_fp8_row(name, root))
+            print(" | ".join(map(str, rows[-1])), file=sys.stderr, flush=True)
+    print(tabulate(rows, headers=["model", "layout", "gpus", "chosen (unsaid by the paper)",
+                                  "published (TFLOP/s per GPU, or tok/s)", "ours", "ours_vs_published"],
+                   tablefmt="github"))
     print(f"\n{time.perf_counter() - started:.0f} s")
 
 

@@ -34,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     extract.add_argument("--grad-dtype", default=None, help="gradient dtype for all-reduce sizes (default: --dtype)")
     extract.add_argument("--device", default=DEFAULT_DEVICE, help=f"device profile (default {DEFAULT_DEVICE}; see 'fxworkload devices')")
     extract.add_argument("--stack", default="eager", help=STACK_HELP)
+    extract.add_argument("--fp8", action="store_true", help=FP8_HELP)
     extract.add_argument("--size-unit", choices=["bytes", "elements"], default="bytes",
                          help="unit of the gradient all-reduce sizes in workload.tsv (default bytes)")
     extract.add_argument("--trace-on", default="auto",
@@ -146,6 +147,8 @@ def _out_dir(text: str) -> Path:
     return Path(text)
 
 
+FP8_HELP = ("FP8 training as Transformer Engine runs it: the decoder layers' linear GEMMs (forward and both "
+            "backward) at the GPU's FP8 peak, with their casts; attention, norms, embedding and head in --dtype")
 STACK_HELP = ("execution stack whose kernels and saved activations are costed: eager (HF eager PyTorch, "
               "default), fused (Megatron-LM / Transformer Engine fused kernels), compiled (torch.compile: "
               "AOTAutograd's partitioner, inductor's fusion)")
@@ -162,12 +165,18 @@ def _add_step_arguments(parser: argparse.ArgumentParser, model_help: str) -> Non
 
 
 def _add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("parallel training (Megatron-LM layout; world = dp x tp x pp)")
+    group = parser.add_argument_group("parallel training (Megatron-LM layout; world = dp x cp x tp x pp)")
     group.add_argument("--dp", type=int, default=1, help="data-parallel replicas (default 1)")
     group.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (default 1)")
     group.add_argument("--pp", type=int, default=1, help="pipeline stages (default 1)")
     group.add_argument("--ep", type=int, default=1, help="expert-parallel ranks, a divisor of --dp (default 1)")
     group.add_argument("--sp", action="store_true", help="sequence parallelism over the tensor-parallel group")
+    group.add_argument("--cp", type=int, default=1,
+                       help="context-parallel ranks: the sequence split over them in load-balanced causal chunks "
+                            "(default 1); --seq is the whole sequence")
+    group.add_argument("--cp-comm", default="p2p",
+                       help="how CP exchanges keys and values: p2p (Megatron-Core's ring, overlapped with attention; "
+                            "default) or allgather (Llama 3's, before attention)")
     group.add_argument("--micro-batches", type=int, default=1,
                        help="micro-batches per step, each of --batch sequences (default 1)")
     group.add_argument("--zero", type=int, default=0, help="ZeRO stage 0-3 (default 0: plain all-reduce)")
@@ -203,7 +212,8 @@ def _parallel(args):
         pp_layers = tuple(int(x) for x in args.pp_layers.split(",")) if args.pp_layers else None
     except ValueError:
         raise UserError(f"--pp-layers must be comma-separated integers, got '{args.pp_layers}'") from None
-    return Parallel(dp=args.dp, tp=args.tp, pp=args.pp, ep=args.ep, sp=args.sp, micro_batches=args.micro_batches,
+    return Parallel(dp=args.dp, tp=args.tp, pp=args.pp, ep=args.ep, sp=args.sp, cp=args.cp, cp_comm=args.cp_comm,
+                    micro_batches=args.micro_batches,
                     zero=args.zero, bucket_mb=args.bucket_mb, pp_layers=pp_layers, stage=args.stage,
                     vocab_multiple=args.vocab_multiple, recompute=args.recompute,
                     recompute_layers=args.recompute_layers, vpp=args.vpp,
@@ -255,7 +265,7 @@ def run_extract(args) -> int:
     result = extract(args.model, batch=args.batch, seq=args.seq, dtype=args.dtype, grad_dtype=args.grad_dtype,
                      device=args.device, size_unit=args.size_unit, trace_on=args.trace_on,
                      use_cache=not args.no_cache, every_layer=args.every_layer, progress=True, parallel=parallel,
-                     name=args.name, stack=args.stack)
+                     name=args.name, stack=args.stack, fp8=args.fp8)
     summary = result.summary(args.top, formats)
     return _publish(args.out or Path("outputs") / result.name, summary, result.files(formats), result.settings)
 

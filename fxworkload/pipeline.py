@@ -32,9 +32,11 @@ from .parallel.layout import check_sequence, check_values
 from .parallel.memory import RankMemory, rank_memory
 from .parallel.rank import RankWorkload, rank_workload
 from .parallel.recompute import with_recompute
+from .parallel.context_parallel import with_context_parallel
 from .parallel.sequence_parallel import with_sequence_parallel
 from .progress import say as print_progress
 from .workload import cache as graph_cache
+from .workload.fp8 import check_fp8, with_fp8
 from .workload.stacks import check_stack
 from .workload.table import Workload, recost
 
@@ -87,7 +89,7 @@ class Extraction:
                      "micro-batch in the schedule's forward order, and vpp in its header for SimAI's bubble formula; "
                      "SimAI runs every forward before every backward and has no row for the transfers between "
                      "chunks\n")
-        if formats is not None and "simai" in formats and parallel.dp == 1:
+        if formats is not None and "simai" in formats and parallel.replicas == 1:
             text += ("\nnote: --dp 1: the SimAI file has no gradient all-reduce; pass --dp N for the data-parallel "
                      "collectives of an N-replica run\n")
         return text
@@ -107,7 +109,7 @@ class Extraction:
                                                None if cluster is None else cluster.as_dict())
         if "simai" in formats:
             from .formats import simai
-            files["workload.simai.txt"] = simai.text(simai.from_rank(self.rank))
+            files["workload.simai.txt"] = simai.text(simai.from_rank(self.rank, self.device))
         if "chrome-trace" in formats:
             from .formats.chrome_trace import trace_json
             files["workload.trace.json"] = trace_json(self.rank, self.device, self.cluster, self.settings["stack"])
@@ -132,7 +134,7 @@ class Extraction:
         check_device(self.device, self.rank.parallel)
         s = self.settings
         return cluster_step(self.facts, self.workload, self.model_workload or self.workload, self.rank.parallel,
-                            s["batch"], s["seq"], s["dtype"], s["grad_dtype"], self.device)
+                            s["batch"], s["seq_per_rank"], s["dtype"], s["grad_dtype"], self.device)
 
     def cluster_or_none(self):
         """The cluster step, or None where the profile lacks the interconnect its collectives need."""
@@ -154,14 +156,15 @@ def extract(model: str, batch: int = 1, seq: int | None = None, dtype: str = "fp
             grad_dtype: str | None = None, device: str = "a100-80gb", size_unit: str = "bytes",
             trace_on: str = "auto", use_cache: bool = True, every_layer: bool = False,
             progress: bool = False, parallel: Parallel | None = None, name: str | None = None,
-            stack: str = "eager") -> Extraction:
+            stack: str = "eager", fp8: bool = False) -> Extraction:
     """One training step of ``model`` (a built-in name, checkpoint folder, config.json or cached
     HuggingFace id), costed on ``device``; ``name`` replaces the model's name in the outputs.
     ``trace_on`` is whose dispatch the graph follows: ``auto`` (the device profile's: a GPU profile
     records the fused attention kernel that GPU would choose), ``cpu`` or ``cuda`` (no GPU needed);
     ``every_layer`` traces all layers even where one layer could stand for all (see layers.py);
     ``batch`` is the micro-batch of one rank; with tp or ep > 1 the rank's share of the model is traced;
-    ``stack`` the execution stack whose kernels and saved activations are costed (workload/stacks.py)."""
+    ``stack`` the execution stack whose kernels and saved activations are costed (workload/stacks.py);
+    ``fp8``: the decoder layers' linear GEMMs in FP8 as Transformer Engine runs them (workload/fp8.py)."""
     grad_dtype = dtype if grad_dtype is None else grad_dtype
     parallel = parallel or Parallel()
     check_settings(batch, seq, dtype, grad_dtype)
@@ -170,10 +173,17 @@ def extract(model: str, batch: int = 1, seq: int | None = None, dtype: str = "fp
     if name is not None:
         check_name(name, "--name")
     profile = load_device(device, say=print_progress if progress else None)
+    if fp8:
+        check_fp8(profile, dtype)
     gpu = trace_target(trace_on, profile)
     traced_on = "cpu" if gpu is None else f"cuda sm{gpu.arch[0]}{gpu.arch[1]} sdpa {'>'.join(gpu.priority)}"
     say = print_progress if progress else (lambda text: None)
 
+    if parallel.cp > 1:  # each rank is captured on its own tokens (context_parallel.py)
+        if seq is None:
+            raise UserError(f"--cp {parallel.cp} splits the sequence: give its length with --seq")
+        check_sequence(parallel, seq)
+        seq //= parallel.cp
     start = time.perf_counter()
     located_name, config_path, _ = locate(model)
     name = located_name if name is None else name
@@ -191,15 +201,19 @@ def extract(model: str, batch: int = 1, seq: int | None = None, dtype: str = "fp
         if use_cache:
             graph_cache.save(cache_key, graph_cache.CachedStep(workload=workload, seq=seq, facts=facts))
     facts = replace(facts, name=name)  # the cache is keyed by config: another path may share the step
-    check_sequence(parallel, seq)
+    check_sequence(parallel, seq * parallel.cp)
+    whole_seq = seq * parallel.cp
     say(f"costing on {profile.name}...")
-    workload = captured = with_sequence_parallel(recost(workload, profile), parallel, facts.stack,
-                                                 facts.row_parallel, profile.kernel_launch_ns)
+    workload = captured = with_context_parallel(
+        with_sequence_parallel(recost(workload, profile), parallel, facts.stack, facts.row_parallel,
+                               profile.kernel_launch_ns), parallel)
+    if fp8:
+        workload = captured = with_fp8(workload, profile, facts.stack)
     captured_saved_bytes = workload.saved_bytes
     layer_input_bytes = batch * seq * facts.hidden * DTYPES[dtype].itemsize // (parallel.tp if parallel.sp else 1)
     workload, regenerated_bytes = with_recompute(workload, parallel, facts.stack, facts.layers, layer_input_bytes)
     settings = {"model": facts.name, "model_type": facts.model_type, "task": facts.task,
-                "batch": batch, "seq": seq, "dtype": dtype, "stack": stack, "grad_dtype": grad_dtype, "device": profile.name,
+                "batch": batch, "seq": whole_seq, "seq_per_rank": seq, "dtype": dtype, "fp8": fp8, "stack": stack, "grad_dtype": grad_dtype, "device": profile.name,
                 "traced_on": traced_on, "size_unit": size_unit, "parallel": parallel.as_dict(),
                 "fxworkload_version": __version__, "torch_version": torch.__version__,
                 "transformers_version": metadata.version("transformers")}
@@ -242,7 +256,7 @@ def _capture(model, batch, seq, dtype, grad_dtype, gpu, every_layer, say, parall
 
     spec = _with_padded_vocab(models.resolve(model), parallel.vocab_multiple, parallel.tp)
     seq = step_seq(spec, seq)
-    check_sequence(parallel, seq)
+    check_sequence(parallel, seq * parallel.cp)
     module = models.build_meta_model(spec, DTYPES[dtype])
     facts = model_facts(spec, module)
     check_parallel(parallel, facts)  # before any progress line: a bad layout is the only thing said

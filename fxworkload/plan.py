@@ -40,6 +40,7 @@ class Shape:
     tp: int
     ep: int
     micro_batch: int
+    cp: int = 1  # the rank holds seq / cp tokens
 
 
 def candidate_layouts(gpus: int, global_batch: int, facts, gpus_per_node: int,
@@ -91,7 +92,7 @@ def _divisors(n: int) -> list[int]:
 
 
 def evaluate_shape(model: str, shape: Shape, layouts: list, seq: int, dtype: str, device: str,
-                   stack: str = "eager", grad_dtype: str | None = None) -> list[dict]:
+                   stack: str = "eager", grad_dtype: str | None = None, fp8: bool = False) -> list[dict]:
     """Capture (or read from the cache) one rank shape and evaluate each of its layouts."""
     from .cluster.step import cluster_step
     from .dtypes import DTYPES
@@ -102,14 +103,16 @@ def evaluate_shape(model: str, shape: Shape, layouts: list, seq: int, dtype: str
     first = layouts[0]
     grad_dtype = grad_dtype or dtype
     base = extract(model, batch=shape.micro_batch, seq=seq, dtype=dtype, grad_dtype=grad_dtype, device=device, stack=stack,
+                   fp8=fp8,
                    parallel=replace(first, pp=1, vpp=1, pp_layers=None, micro_batches=1, zero=0, recompute="none",
                                     recompute_layers=None))
     facts, captured, profile = base.facts, base.model_workload, base.device
+    seq = base.settings["seq_per_rank"]
     saved_bytes = captured.saved_bytes
     recomputed = {}
     rows = []
     for p in layouts:
-        key = (p.recompute, p.sp)
+        key = (p.recompute, p.recompute_layers, p.sp, p.vpp, p.pp, p.pp_layers)  # what with_recompute reads
         if key not in recomputed:
             layer_input = shape.micro_batch * seq * facts.hidden * DTYPES[dtype].itemsize // (p.tp if p.sp else 1)
             recomputed[key] = with_recompute(captured, p, facts.stack, facts.layers, layer_input)
@@ -120,8 +123,8 @@ def evaluate_shape(model: str, shape: Shape, layouts: list, seq: int, dtype: str
             memory = rank_memory(replace(p, stage=d), step.device_units[d], workload, dtype, grad_dtype, saved_bytes,
                                  regenerated, profile.memory_capacity_bytes)
             peak = max(peak, memory.total_peak_bytes)
-        rows.append({"tp": p.tp, "pp": p.pp, "dp": p.dp, "ep": p.ep, "sp": p.sp, "vpp": p.vpp, "zero": p.zero,
-                     "recompute": p.recompute, "micro_batch": shape.micro_batch, "micro_batches": p.micro_batches,
+        rows.append({"tp": p.tp, "cp": p.cp, "pp": p.pp, "dp": p.dp, "ep": p.ep, "sp": p.sp, "vpp": p.vpp, "zero": p.zero,
+                     "recompute": p.recompute, "recompute_layers": p.recompute_layers, "micro_batch": shape.micro_batch, "micro_batches": p.micro_batches,
                      "step_ms": step.step_ns / 1e6, "mfu": step.mfu, "hfu": step.hfu,
                      "step_low_ms": (step.step_interval_ns or (step.step_ns,) * 2)[0] / 1e6,
                      "step_high_ms": (step.step_interval_ns or (step.step_ns,) * 2)[1] / 1e6,

@@ -13,8 +13,10 @@ protocol is Simple, and the figures here are that protocol's in the current tabl
 - an all-reduce takes the faster of the two, as NCCL's tuner does: the tree once a group spans
   enough nodes that the ring's linear latency outweighs the tree's 8 % less bandwidth.
 
-Ranks are placed as Megatron-LM orders them: tensor-parallel innermost, then data-parallel
-(expert-parallel carved out of it), pipeline outermost; a group's GPUs span consecutive nodes.
+Ranks are placed as Megatron-LM orders them (its default order "tp-cp-ep-dp-pp"): tensor-parallel
+innermost, then context-parallel, then data-parallel (expert-parallel carved out of it), pipeline
+outermost; a group's GPUs span consecutive nodes. Gradients are reduced over the data- and
+context-parallel ranks together (group "dp": dp x cp ranks).
 """
 
 from __future__ import annotations
@@ -39,8 +41,8 @@ STEPS = {"ALLREDUCE": lambda n: 2 * (n - 1), "ALLGATHER": lambda n: n - 1, "REDU
 
 def group_layout(group: str, p: Parallel, gpus_per_node: int) -> tuple[int, int]:
     """(ranks, nodes) of a tensor-, expert- or data-parallel group under Megatron's rank order."""
-    ranks, stride = {"tp": (p.tp, 1), "ep": (p.ep, p.tp), "dp": (p.dp, p.tp),
-                     "dp_ep": (p.dp // p.ep, p.tp * p.ep)}[group]
+    ranks, stride = {"tp": (p.tp, 1), "cp": (p.cp, p.tp), "ep": (p.ep, p.tp * p.cp), "dp": (p.replicas, p.tp),
+                     "dp_ep": (p.dp // p.ep, p.tp * p.cp * p.ep)}[group]
     span = ranks * stride
     return ranks, max(1, math.ceil(span / gpus_per_node))
 
@@ -76,10 +78,10 @@ def comm_ns(comm: Comm, p: Parallel, device: DeviceProfile) -> float:
 
 
 def p2p_ns(nbytes: float, p: Parallel, device: DeviceProfile) -> float:
-    """One activation (or its gradient) sent to the next pipeline stage: tp x dp GPUs away."""
+    """One activation (or its gradient) sent to the next pipeline stage: tp x cp x dp GPUs away."""
     if p.pp == 1 or nbytes <= 0:
         return 0.0
-    same_node = p.tp * p.dp * 2 <= device.gpus_per_node
+    same_node = p.tp * p.cp * p.dp * 2 <= device.gpus_per_node
     hop = NVLINK_HOP_NS if same_node else NETWORK_HOP_NS
     bus = device.intra_node_bytes_per_s if same_node else device.inter_node_bytes_per_s
     return BASE_LATENCY_NS + hop + nbytes / bus * 1e9
@@ -87,7 +89,7 @@ def p2p_ns(nbytes: float, p: Parallel, device: DeviceProfile) -> float:
 
 def check_device(device: DeviceProfile, parallel: Parallel) -> None:
     """Collective times need the interconnect's figures; a rank with no collective needs none."""
-    if (parallel.tp > 1 or parallel.dp > 1) and not (device.intra_node_bytes_per_s and device.inter_node_bytes_per_s):
+    if parallel.world > parallel.pp and not (device.intra_node_bytes_per_s and device.inter_node_bytes_per_s):
         raise UserError(f"device '{device.name}' has no interconnect figures (intra_node_bytes_per_s, "
                         "inter_node_bytes_per_s) for the collectives of --tp/--dp > 1; add them to its profile "
                         "or use a datasheet profile such as --device h100-sxm for --format chrome-trace")

@@ -31,6 +31,7 @@ from ..parallel.memory import ADAM_BYTES_PER_PARAMETER
 from ..parallel.rank import device_chunks, model_chunks, split_once
 from ..parallel.units import Comm, Unit, is_expert
 from ..workload.table import Workload
+from ..cost.gpu import memory_ns
 from .network import comm_ns, p2p_ns
 from .schedule import BACKWARD, Pass, timelines
 from .zero3 import Group, compute_share_lost, simulate_pass
@@ -94,7 +95,7 @@ class ClusterStep:
 
     @property
     def tokens(self) -> int:
-        return self.micro_batch * self.seq * self.parallel.micro_batches * self.parallel.dp
+        return self.micro_batch * self.seq * self.parallel.micro_batches * self.parallel.replicas
 
     @property
     def mfu(self) -> float:
@@ -170,7 +171,8 @@ def cluster_step(facts: ModelFacts, workload: Workload, model_workload: Workload
             pipeline_end += slowed[d]
             dp_end = max(dp_end, pipeline_end)
         spans += [(d, *span) for span in dp_spans]
-        optimizer = _optimizer_ns(layouts[d][0], p, dtype, grad_dtype, device)
+        optimizer = _optimizer_ns(layouts[d][0], p, dtype, grad_dtype, device) + _fp8_weight_cast_ns(
+            layouts[d][0], workload, device)
         gather = sum(comm_ns(c, p, device) for u in layouts[d][1] if u.block == "dp" for c in u.comms[WEIGHT_GRAD]
                      if c.type == ALLGATHER and p.zero in (1, 2))
         compute = sum(x[4] - x[3] for x in mine)
@@ -185,13 +187,14 @@ def cluster_step(facts: ModelFacts, workload: Workload, model_workload: Workload
     pipeline_ns = max(x.pipeline_end_ns for x in devices)
     busy_ns = busiest.compute_ns + busiest.bucket_slowdown_ns  # slowed compute is busy, not a bubble
     micro = p.micro_batches
-    exposed = {"tp": slowest.blocking_comm_ns["tp"] * micro, "ep": slowest.blocking_comm_ns["ep"] * micro,
+    exposed = {"tp": slowest.blocking_comm_ns["tp"] * micro, "cp": slowest.blocking_comm_ns["cp"] * micro,
+               "ep": slowest.blocking_comm_ns["ep"] * micro,
                "pp_bubble": pipeline_ns - busy_ns,
                "dp": max(slowest.data_parallel_end_ns - slowest.pipeline_end_ns, 0.0),
                "zero_gather": slowest.zero_gather_ns, "zero3_gather": slowest.zero3_exposed_gather_ns,
                "dp_bucket_slowdown": slowest.bucket_slowdown_ns,
                "optimizer": slowest.optimizer_ns}
-    ranks_per_stage = p.tp * p.dp
+    ranks_per_stage = p.tp * p.replicas
     model_flops = sum(f[0] for f in flops) * micro * ranks_per_stage
     hardware_flops = sum(f[1] for f in flops) * micro * ranks_per_stage
     return ClusterStep(parallel=p, micro_batch=micro_batch, seq=seq, step_ns=slowest.end_ns, pipeline_ns=pipeline_ns,
@@ -217,13 +220,24 @@ def _pass(units: list[Unit], phase: str, p: Parallel, device: DeviceProfile) -> 
     by_group: dict[str, float] = {}
     for u in units:
         for c in u.comms[phase]:
-            by_group[c.group] = by_group.get(c.group, 0.0) + comm_ns(c, p, device)
+            by_group[c.group] = by_group.get(c.group, 0.0) + exposed_comm_ns(u, c, phase, p, device)
     return compute + sum(by_group.values()), by_group
 
 
+def exposed_comm_ns(unit: Unit, comm: Comm, phase: str, p: Parallel, device: DeviceProfile) -> float:
+    """A collective's time the pass waits for: all of it, or for one overlapped with the unit's attention
+    core (CP's ring) what outlasts the core."""
+    ns = comm_ns(comm, p, device)
+    if not comm.overlapped:
+        return ns
+    core = sum(unit.core_ns[ph] for ph in ((FORWARD,) if phase == FORWARD else (INPUT_GRAD, WEIGHT_GRAD)))
+    return max(ns - core, 0.0)
+
+
 def _blocking_comm(passes: list[tuple[float, dict[str, float]]]) -> dict[str, float]:
-    """Per micro-batch, the forward and backward passes of every chunk: the tensor- and expert-parallel collectives."""
-    out = {"tp": 0.0, "ep": 0.0}
+    """Per micro-batch, the forward and backward passes of every chunk: the tensor-, context- and expert-parallel
+    collectives (exposed time)."""
+    out = {"tp": 0.0, "cp": 0.0, "ep": 0.0}
     for _, by_group in passes:
         for group, ns in by_group.items():
             out[group] = out.get(group, 0.0) + ns
@@ -248,7 +262,7 @@ def _data_parallel(layout, mine: list[tuple], p: Parallel, device: DeviceProfile
         if unit.block != "dp":
             c = chunk_of.get(id(unit), 0)
             done[c] += sum(unit.costs[ph][0] for ph in (INPUT_GRAD, WEIGHT_GRAD)) + sum(
-                comm_ns(x, p, device) for x in unit.comms[INPUT_GRAD])
+                exposed_comm_ns(unit, x, INPUT_GRAD, p, device) for x in unit.comms[INPUT_GRAD])
             ready = done[c] if p.overlap_grad_reduce else mine[-1][4]
             continue
         for c in unit.comms[WEIGHT_GRAD]:
@@ -281,7 +295,7 @@ def _zero3_groups(units: list[Unit], phase: str, p: Parallel, device: DeviceProf
     for members in layers.values():
         phases = (FORWARD,) if phase == FORWARD else (INPUT_GRAD, WEIGHT_GRAD)
         compute = sum(u.costs[ph][0] for u in members for ph in phases) + sum(
-            comm_ns(c, p, device) for u in members for c in u.comms[phase])
+            exposed_comm_ns(u, c, phase, p, device) for u in members for c in u.comms[phase])
         shards = {"dp": 0, "dp_ep": 0}
         for g in (g for u in members for g in u.grads):
             shards["dp_ep" if is_expert(g.module) and p.ep > 1 else "dp"] += g.elements
@@ -295,10 +309,22 @@ def _zero3_groups(units: list[Unit], phase: str, p: Parallel, device: DeviceProf
     return groups if phase == FORWARD else groups[::-1]
 
 
+def _fp8_weight_cast_ns(chunks: list[list[Unit]], workload: Workload, device: DeviceProfile) -> float:
+    """--fp8: the device's weights cast to FP8 (with their transposes) once per step after the optimizer
+    (Transformer Engine keeps them for every micro-batch of the next step): its share of the model's FP8 weights."""
+    if not workload.fp8_weight_elements or not workload.parameter_count:
+        return 0.0
+    from ..workload.fp8 import CAST_BYTES_PER_ELEMENT
+
+    mine = sum(g.elements for units in chunks for u in units for g in u.grads) / workload.parameter_count
+    nbytes = workload.fp8_weight_elements * mine * CAST_BYTES_PER_ELEMENT
+    return memory_ns(nbytes, device.gpu_facts(), device.gpu_model(), casts=True)
+
+
 def _optimizer_ns(chunks: list[list[Unit]], p: Parallel, dtype: str, grad_dtype: str, device: DeviceProfile) -> float:
     parameters = sum(g.elements for units in chunks for u in units for g in u.grads)
     if p.zero >= 1:
-        parameters /= p.dp
+        parameters /= p.replicas
     states = ADAM_BYTES_PER_PARAMETER["fp32" if dtype == "fp32" else "mixed"]
     per_parameter = OPTIMIZER_PASSES * states + DTYPES[grad_dtype].itemsize + DTYPES[dtype].itemsize
     return parameters * per_parameter / (device.memory_bytes_per_s * device.memory_efficiency) * 1e9

@@ -129,7 +129,7 @@ class GpuFacts:
     l2_bytes: int = 0  # 0: unknown (nothing is taken to stay in L2)
 
 
-ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2}  # dtypes by fxworkload's names (dtypes.DTYPES)
+ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}  # dtypes by fxworkload's names (dtypes.DTYPES; fp8: --fp8 GEMMs)
 
 
 def alignment_bytes(leading_dims: tuple[int, ...], itemsize: int) -> int:

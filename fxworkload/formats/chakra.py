@@ -24,8 +24,12 @@ ends when both are done. Data-parallel buckets follow the compute that completes
 other; the optimizer step follows the last pass and the last bucket, and ZeRO 1/2's parameter
 gathers follow it, as in the cluster step.
 
-Ranks are numbered as Megatron-LM does: tensor-parallel innermost, then data-parallel (expert-
-parallel groups are consecutive data-parallel ranks), pipeline stage outermost.
+Ranks are numbered as Megatron-LM does: tensor-parallel innermost, then context-parallel, then
+data-parallel (expert-parallel groups are consecutive data-parallel ranks), pipeline stage
+outermost. Gradients are reduced over the data- and context-parallel ranks together. Context
+parallelism's key and value exchange is a collective of its group: Llama 3's all-gather on the
+compute chain before the attention block; Megatron-Core's ring beside the block's compute, which
+the next node also waits for (the ring overlaps the block).
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ MAX_RANKS = 1024  # one file per rank: past this the folder is larger than any s
 COMM_TYPES = {"ALLREDUCE": "ALL_REDUCE", "ALLGATHER": "ALL_GATHER", "REDUCESCATTER": "REDUCE_SCATTER",
               "ALLTOALL": "ALL_TO_ALL"}
 GROUPS_FILE = "workload.comm_groups.json"
-GROUP_KINDS = ("tp", "dp", "ep", "dp_ep")
+GROUP_KINDS = ("tp", "cp", "dp", "ep", "dp_ep")
 INT32_FIELDS = ("comm_src", "comm_dst", "comm_tag")
 
 
@@ -62,19 +66,23 @@ def check_world(parallel) -> None:
 
 
 def group_members(kind: str, rank: int, p) -> list[int]:
-    """The ranks of ``rank``'s tensor-, data-, expert- or expert-data-parallel group."""
-    stage_ranks = p.tp * p.dp
+    """The ranks of ``rank``'s tensor-, context-, data- (with the context-parallel ranks), expert- or
+    expert-data-parallel group."""
+    stage_ranks = p.tp * p.cp * p.dp
     stage, within = divmod(rank, stage_ranks)
-    d, t = divmod(within, p.tp)
+    d, rest = divmod(within, p.tp * p.cp)
+    c, t = divmod(rest, p.tp)
     if kind == "tp":
-        peers = [(d, x) for x in range(p.tp)]
+        peers = [(d, c, x) for x in range(p.tp)]
+    elif kind == "cp":
+        peers = [(d, x, t) for x in range(p.cp)]
     elif kind == "dp":
-        peers = [(x, t) for x in range(p.dp)]
+        peers = [(x, y, t) for x in range(p.dp) for y in range(p.cp)]
     elif kind == "ep":
-        peers = [(d - d % p.ep + x, t) for x in range(p.ep)]
+        peers = [(d - d % p.ep + x, c, t) for x in range(p.ep)]
     else:
-        peers = [(x, t) for x in range(d % p.ep, p.dp, p.ep)]
-    return [stage * stage_ranks + x * p.tp + y for x, y in peers]
+        peers = [(x, c, t) for x in range(d % p.ep, p.dp, p.ep)]
+    return sorted(stage * stage_ranks + x * p.tp * p.cp + y * p.tp + z for x, y, z in peers)
 
 
 def comm_groups(p) -> dict[tuple[str, int], int]:
@@ -166,7 +174,7 @@ def _rank_nodes(pb, cluster, rank: int, groups: dict) -> list:
     from ..cluster.network import comm_ns
 
     p = cluster.parallel
-    stage_ranks = p.tp * p.dp
+    stage_ranks = p.tp * p.cp * p.dp
     stage, within = divmod(rank, stage_ranks)
     units, chunks = cluster.device_units[stage], cluster.device_chunks[stage]
     b = _Builder(pb, rank, groups, p)
@@ -188,12 +196,20 @@ def _rank_nodes(pb, cluster, rank: int, groups: dict) -> list:
             gather = b.collective(f"mb{mb} chunk{chunk} {comm.type} {comm.group} (ZeRO 3 parameters)", comm,
                                   comm_ns(comm, p, cluster.profile), deps=b.last)
         for unit in chunks[chunk] if forward else list(reversed(chunks[chunk])):
+            beside = []  # CP's ring: beside the block's compute, which the chain's next node waits for too
+            for comm in (c for c in unit.comms[FORWARD if forward else INPUT_GRAD] if c.group == "cp"):
+                name = f"mb{mb} {unit.name} {comm.type} {comm.group} ({comm.what})"
+                if comm.overlapped:
+                    beside.append(b.collective(name, comm, comm_ns(comm, p, cluster.profile), deps=b.last))
+                else:
+                    b.collective(name, comm, comm_ns(comm, p, cluster.profile))
             for phase in (FORWARD,) if forward else (INPUT_GRAD, WEIGHT_GRAD):
                 node = b.chain(f"mb{mb} {unit.name} {phase}", pb.COMP_NODE, duration_ns=unit.costs[phase][0],
                                num_ops=unit.costs[phase][1], tensor_size=sum(op.bytes for op in unit.ops(phase)))
                 if not forward:
                     completes[id(unit)] = node
-            for comm in unit.comms[FORWARD if forward else INPUT_GRAD]:
+            b.last = [*b.last, *beside]
+            for comm in (c for c in unit.comms[FORWARD if forward else INPUT_GRAD] if c.group != "cp"):
                 b.collective(f"mb{mb} {unit.name} {comm.type} {comm.group}", comm, comm_ns(comm, p, cluster.profile))
         target = virtual + 1 if forward else virtual - 1
         if 0 <= target <= last_virtual and not (forward and virtual == last_virtual):

@@ -18,6 +18,11 @@ What SimAI 1.6 does with the file (aliyun/SimAI f5efb5a9, astra-sim-alibabacloud
   rows repeated ga times that is (pp - 1) / vpp micro-batch passes, Megatron's 1F1B bubble when
   ``vpp`` holds the virtual stages per device. (AICB writes the layer count there, which divides
   its bubble by the layers; we write --vpp.) The rows named ``embedding_layer`` are left out of it.
+- its groups are TP, DP, EP, DP_EP and PP (Workload.cc reads no other): context parallelism's key and
+  value exchange has no column, so its exposed time (all of it for ``allgather``, what outlasts the
+  attention core for the ring) is added to the compute time of the phase it runs in, and the header's
+  ``all_gpus`` counts the context-parallel ranks as data-parallel ones (their gradients are reduced
+  together, as Megatron-Core does).
 """
 
 from __future__ import annotations
@@ -61,11 +66,13 @@ class SimaiWorkload:
     rows: list[SimaiRow]
 
 
-def from_rank(rank: RankWorkload) -> SimaiWorkload:
+def from_rank(rank: RankWorkload, device=None) -> SimaiWorkload:
+    """``device``: the profile that times context-parallel exchanges (needed only with --cp > 1)."""
     p = rank.parallel
     header = {"model_parallel_NPU_group": p.tp, "ep": p.ep, "pp": p.pp, "vpp": p.vpp, "ga": p.micro_batches,
               "all_gpus": p.world, "checkpoints": 0, "checkpoint_initiates": 0, "pp_comm": rank.pp_comm_bytes}
-    return SimaiWorkload(policy=POLICY, header=header, rows=[row for unit in step_units(rank) for row in _rows(unit)])
+    return SimaiWorkload(policy=POLICY, header=header,
+                         rows=[row for unit in step_units(rank) for row in _rows(unit, p, device)])
 
 
 def step_units(rank: RankWorkload) -> list[Unit]:
@@ -93,16 +100,24 @@ def step_units(rank: RankWorkload) -> list[Unit]:
     return out
 
 
-def _rows(unit: Unit) -> list[SimaiRow]:
-    comms = [unit.comms[phase] for phase in PHASES]
+def _rows(unit: Unit, p, device) -> list[SimaiRow]:
+    comms = [[c for c in unit.comms[phase] if c.group != "cp"] for phase in PHASES]
+    folded = [_context_parallel_ns(unit, phase, p, device) for phase in PHASES]
     name = EMBEDDING_ROW if unit.block == EMBEDDING else unit.name
     rows = []
     for k in range(max(1, *(len(c) for c in comms))):
-        times = [round(unit.ns(phase)) if k == 0 else 0 for phase in PHASES]
+        times = [round(unit.ns(phase) + extra) if k == 0 else 0 for phase, extra in zip(PHASES, folded)]
         cells = [_cell(c[k] if k < len(c) else None) for c in comms]
         rows.append(SimaiRow(name if k == 0 else f"{unit.name}_comm{k}",
                              *(x for t, (kind, size) in zip(times, cells) for x in (t, kind, size))))
     return rows
+
+
+def _context_parallel_ns(unit: Unit, phase: str, p, device) -> float:
+    from ..cluster.step import exposed_comm_ns
+
+    cp = [c for c in unit.comms[phase] if c.group == "cp"]
+    return sum(exposed_comm_ns(unit, c, phase, p, device) for c in cp) if cp else 0.0
 
 
 def text(workload: SimaiWorkload) -> str:

@@ -157,8 +157,9 @@ def rank_summary_text(rank) -> str:
             for comm in unit.comms[phase]:
                 key = f"{comm.type} over {comm.group}"
                 comm_bytes[key] = comm_bytes.get(key, 0) + comm.bytes
+    context = f", cp {p.cp} ({p.cp_comm})" if p.cp > 1 else ""
     lines = [["rank", f"stage {p.stage} of {p.pp}, layers {_ranges(rank.chunk_layers)}, "
-                      f"tp {p.tp}, dp {p.dp}, ep {p.ep}, sp {'on' if p.sp else 'off'}, zero {p.zero}"],
+                      f"tp {p.tp}{context}, dp {p.dp}, ep {p.ep}, sp {'on' if p.sp else 'off'}, zero {p.zero}"],
              ["world size", f"{p.world}"],
              ["units (layer-level rows)", f"{len(units)}"],
              *([f"{phase} estimated ms per micro-batch (this rank's layers)", f"{sum(u.ns(phase) for u in units) / 1e6:.3f}"]
@@ -185,7 +186,8 @@ def cluster_summary_text(cluster) -> str:
               f"{cluster.step_ns / 1e6:.3f}" + (f" (90 %: {interval[0] / 1e6:.3f}-{interval[1] / 1e6:.3f})"
                                                if interval else "")],
              ["pipeline bubble (busiest stage idle)", f"{100 * cluster.bubble_fraction:.1f}%"],
-             ["exposed ms: tp / ep collectives (blocking)", f"{exposed['tp'] / 1e6:.3f} / {exposed['ep'] / 1e6:.3f}"],
+             ["exposed ms: tp / cp / ep collectives (blocking)",
+              f"{exposed['tp'] / 1e6:.3f} / {exposed.get('cp', 0.0) / 1e6:.3f} / {exposed['ep'] / 1e6:.3f}"],
              ["exposed ms: dp gradient reduction / ZeRO parameter gather",
               f"{exposed['dp'] / 1e6:.3f} / {(exposed['zero_gather'] + exposed['zero3_gather']) / 1e6:.3f}"],
              ["backward slowed by overlapped dp buckets ms (SMs held by NCCL)",
@@ -318,7 +320,7 @@ def _recompute_text(p: dict) -> str:
             "in backward (Megatron-LM)", "op": "op: GEMM and attention outputs kept, every second GEMM and the "
             "rest run again (torchtitan)", "full": "full: each layer keeps its input and runs again in backward"}
     layers = "" if p["recompute"] == "none" or p["recompute_layers"] is None else (
-        f", first {p['recompute_layers']} layers of each stage")
+        f", first {p['recompute_layers']} layers of each stage (model chunk with --vpp)")
     return text[p["recompute"]] + layers
 
 

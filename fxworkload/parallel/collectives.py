@@ -20,6 +20,7 @@ from itertools import accumulate
 from operator import attrgetter
 
 from ..capture.trace import FORWARD, INPUT_GRAD, WEIGHT_GRAD
+from .context_parallel import cp_comms
 from .layout import Parallel
 from .units import EMBEDDING, HEAD, Comm, Unit, is_expert
 
@@ -35,12 +36,17 @@ def stage_units(units: list[Unit], stage_layers: range, first: bool, last: bool)
 
 
 def add_model_parallel(units: list[Unit], p: Parallel, micro_batch: int, seq: int, hidden: int,
-                       act_itemsize: int, top_k: int) -> None:
-    """Attach the tensor- and expert-parallel collectives to each unit, in the order they run."""
+                       act_itemsize: int, top_k: int, rank_kv_bytes: int = 0) -> None:
+    """Attach the tensor-, context- and expert-parallel collectives to each unit, in the order they run.
+    ``seq``: the rank's tokens (seq / cp); ``rank_kv_bytes``: one layer's keys and values on this rank."""
     act = micro_batch * seq * hidden * act_itemsize
     tokens = micro_batch * seq // (p.tp if p.sp else 1)
+    cp_forward, cp_backward = cp_comms(p, rank_kv_bytes)
     for unit in units:
         fwd, bwd = unit.comms[FORWARD], unit.comms[INPUT_GRAD]
+        if cp_forward and unit.core_ns and unit.core_ns[FORWARD]:  # before the block's own collectives: mid-block
+            fwd.extend(cp_forward)
+            bwd.extend(cp_backward)
         if p.tp > 1:
             if unit.block == EMBEDDING:
                 fwd.append(Comm(REDUCESCATTER if p.sp else ALLREDUCE, "tp", act, "vocab-parallel embedding output"))
@@ -76,7 +82,7 @@ def data_parallel_units(units: list[Unit], p: Parallel, grad_itemsize: int, para
     """The stage's units with its data-parallel rows inserted: a gradient bucket's row sits just before
     the unit whose backward completes the bucket, so the simulator issues it there."""
     grads = [g for u in units for g in u.grads]
-    key = (tuple(map(id, grads)), tuple(len(u.grads) for u in units), p.dp, p.ep, p.zero, p.bucket_mb,
+    key = (tuple(map(id, grads)), tuple(len(u.grads) for u in units), p.replicas, p.ep, p.zero, p.bucket_mb,
            grad_itemsize, param_itemsize)
     held = _DP_ROWS.get(key)
     if held is None:
@@ -95,7 +101,7 @@ def _data_parallel_rows(units: list[Unit], p: Parallel, grad_itemsize: int,
                         param_itemsize: int) -> tuple[list[Unit], dict[int, list[Unit]]]:
     """The rows issued first (ZeRO's gathers) and, per unit index, the bucket rows issued before it."""
     expert_dp = p.dp // p.ep
-    groups = [("dp", p.dp, [g for u in units for g in u.grads if not is_expert(g.module)]),
+    groups = [("dp", p.replicas, [g for u in units for g in u.grads if not is_expert(g.module)]),
               ("dp_ep", expert_dp, [g for u in units for g in u.grads if is_expert(g.module)])]
     owner = {id(g): i for i, u in enumerate(units) for g in u.grads}
     before: dict[int, list[Unit]] = {}

@@ -25,6 +25,11 @@ class ModelFacts:
     stack: str | None  # path of the ModuleList holding the decoder layers
     row_parallel: tuple[str, ...]  # modules whose output Megatron reduces (from the TP plan)
     tied_embedding: str | None  # path of the input embedding when the head shares its weight
+    head_dim_config: int = 0  # values per attention head, where the config says (0: hidden / heads)
+
+    @property
+    def head_dim(self) -> int:
+        return self.head_dim_config or (self.hidden // self.heads if self.heads else 0)
 
 
 def model_facts(spec, model) -> ModelFacts:
@@ -47,7 +52,8 @@ def model_facts(spec, model) -> ModelFacts:
         top_k=_count(setting(config, "num_experts_per_tok", 1)) or 1,
         stack=layer_stack(model, layers) if layers else None,
         row_parallel=tuple(plan.row_parallel_modules()) if plan else (),
-        tied_embedding=path_of(model, embedding) if tied else None)
+        tied_embedding=path_of(model, embedding) if tied else None,
+        head_dim_config=_count(setting(config, "head_dim", 0)))
 
 
 def _count(value) -> int:

@@ -29,10 +29,21 @@ class Parallel:
     # --overlap-grad-reduce); False: it starts when the last backward ends (Megatron-LM's default, and its only
     # way before 2023)
     overlap_grad_reduce: bool = True
+    # context parallelism: the sequence split over cp ranks in 2·cp load-balanced chunks (rank r holds
+    # chunks r and 2cp-1-r of the causal sequence); keys and values exchanged by a ring of point-to-point
+    # steps overlapped with attention (Megatron-Core, "p2p") or one all-gather before it (Llama 3, "allgather")
+    cp: int = 1
+    cp_comm: str = "p2p"
 
     @property
     def world(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.cp * self.tp * self.pp
+
+    @property
+    def replicas(self) -> int:
+        """The ranks holding the same parameters, over which gradients are reduced and ZeRO shards:
+        data- and context-parallel ones (Megatron-Core's data-parallel group with CP)."""
+        return self.dp * self.cp
 
     def as_dict(self) -> dict:
         out = asdict(self)
@@ -41,17 +52,18 @@ class Parallel:
 
 
 RECOMPUTE_MODES = ("none", "selective", "op", "full")
+CP_COMMS = ("p2p", "allgather")
 
 
 def check_values(parallel: Parallel) -> None:
     """The settings on their own (before any model is read): types, ranges and sizes."""
     p = parallel
-    for name in ("dp", "tp", "pp", "ep", "micro_batches", "vocab_multiple", "vpp"):
+    for name in ("dp", "tp", "pp", "ep", "cp", "micro_batches", "vocab_multiple", "vpp"):
         value = getattr(p, name)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise UserError(f"--{name.replace('_', '-')} must be a positive integer, got {value}")
     if p.world > MAX_WORLD:
-        raise UserError(f"--dp x --tp x --pp = {p.world:,} GPUs exceeds {MAX_WORLD:,}, more than any real run; "
+        raise UserError(f"--dp x --cp x --tp x --pp = {p.world:,} GPUs exceeds {MAX_WORLD:,}, more than any real run; "
                         "check the layout")
     if p.micro_batches > MAX_MICRO_BATCHES:
         raise UserError(f"--micro-batches {p.micro_batches:,} exceeds {MAX_MICRO_BATCHES:,}, more than any real run; "
@@ -65,6 +77,11 @@ def check_values(parallel: Parallel) -> None:
                         f"{MAX_BUCKET_MB:,} MiB, got {p.bucket_mb}")
     if not p.reshard_after_forward and p.zero != 3:
         raise UserError("--keep-gathered keeps ZeRO 3's gathered parameters: it needs --zero 3")
+    if p.cp_comm not in CP_COMMS:
+        raise UserError(f"unknown --cp-comm {p.cp_comm!r}: use p2p (Megatron-Core's ring) or allgather (Llama 3's)")
+    if p.cp > 1 and p.ep > 1:
+        raise UserError("--cp with --ep is not modelled (Megatron-Core folds context- into expert-data-parallel "
+                        "groups); use one of them")
     if p.recompute not in RECOMPUTE_MODES:
         raise UserError(f"unknown --recompute {p.recompute!r}: use {', '.join(RECOMPUTE_MODES)}")
     if p.recompute_layers is not None and p.recompute == "none":
@@ -77,10 +94,15 @@ def check_values(parallel: Parallel) -> None:
 
 
 def check_sequence(parallel: Parallel, seq: int) -> None:
-    """Sequence parallelism splits the sequence over the tensor-parallel group."""
-    if parallel.sp and seq % parallel.tp:
-        raise UserError(f"--sp splits the sequence over --tp {parallel.tp}: --seq {seq} does not divide by it; "
-                        "choose a --seq that is a multiple of --tp")
+    """Context parallelism splits the sequence into 2·cp chunks; sequence parallelism a rank's share
+    over the tensor-parallel group. ``seq`` is the whole sequence."""
+    if parallel.cp > 1 and seq % (2 * parallel.cp):
+        raise UserError(f"--cp {parallel.cp} splits the sequence into {2 * parallel.cp} load-balanced chunks: --seq "
+                        f"{seq} does not divide by {2 * parallel.cp}; choose a --seq that is a multiple of it")
+    if parallel.sp and (seq // parallel.cp) % parallel.tp:
+        what = f"--seq {seq}" if parallel.cp == 1 else f"a rank's {seq // parallel.cp} tokens (--seq / --cp)"
+        raise UserError(f"--sp splits the sequence over --tp {parallel.tp}: {what} does not divide by it; "
+                        "choose a --seq that is a multiple of --tp" + (" x --cp" if parallel.cp > 1 else ""))
 
 
 def check(parallel: Parallel, facts) -> None:
@@ -115,11 +137,11 @@ def check(parallel: Parallel, facts) -> None:
         if p.micro_batches % p.pp:
             raise UserError(f"the interleaved schedule runs micro-batches in groups of --pp {p.pp}: "
                             f"--micro-batches {p.micro_batches} must be a multiple of it")
-    stages = stage_layers(p, facts.layers)
-    fewest = min(len(stage) for stage in stages)
+    stage_layers(p, facts.layers)  # checks the counts
+    fewest = min(len(chunk) for chunk in virtual_stage_layers(p, facts.layers))
     if p.recompute_layers is not None and p.recompute_layers > fewest:
         raise UserError(f"--recompute-layers {p.recompute_layers} exceeds the {fewest} layers of the smallest "
-                        "pipeline stage; choose 1 to " + str(fewest))
+                        "pipeline stage (model chunk with --vpp); choose 1 to " + str(fewest))
 
 
 def virtual_stage_layers(parallel: Parallel, layers: int) -> list[range]:

@@ -38,6 +38,7 @@ class RankMemory:
     micro_batches_in_flight: int
     capacity_bytes: int  # the device's memory; 0 where the profile has none (CPU)
     gathered_parameters_bytes: int = 0  # ZeRO 3 --keep-gathered: every unit's gathered parameters, forward to backward
+    fp8_weights_bytes: int = 0  # --fp8: the FP8 copies of the rank's linear weights and their transposes (2 bytes each)
 
     @property
     def fits(self) -> bool | None:
@@ -61,19 +62,22 @@ def rank_memory(p: Parallel, rank_units: list, workload: Workload, dtype: str, g
     saved = sum(row.saved_bytes for u in units for row in u.rows)
     dropped = captured_saved_bytes - workload.saved_bytes  # saves that recomputation gave up
     transient = max(workload.activation_peak_bytes - captured_saved_bytes, 0) + regenerated_bytes
-    states = model_state_bytes(dense, expert, dtype, grad_dtype, p.zero, p.dp, p.ep)
+    states = model_state_bytes(dense, expert, dtype, grad_dtype, p.zero, p.replicas, p.ep)
     # FSDP2's reshard_after_forward=False: each unit's all-gathered parameters stay from its forward to its
     # backward, so at the end of the forward every unit's whole copy is held beside the shards
     gathered = (dense + expert) * DTYPES[dtype].itemsize if p.zero == 3 and not p.reshard_after_forward else 0
     activations = saved * in_flight_chunks // p.vpp
+    fp8_weights = (2 * workload.fp8_weight_elements * (dense + expert) // workload.parameter_count
+                   if workload.fp8_weight_elements and workload.parameter_count else 0)
     # one stage: the captured step is this rank's own, less what recomputation gives up; a stage of
     # several: its parts, added
     step_peak = workload.step_peak_bytes - dropped + regenerated_bytes if p.pp == 1 else (
         saved + transient + sum(g.elements for u in units for g in u.grads) * grad_size)
     return RankMemory(parameters_bytes=states[0], gradients_bytes=states[1], optimizer_bytes=states[2],
                       activations_bytes=activations, transient_bytes=transient, step_peak_bytes=step_peak,
-                      total_peak_bytes=sum(states) + gathered + activations + transient,
-                      micro_batches_in_flight=in_flight, capacity_bytes=capacity_bytes, gathered_parameters_bytes=gathered)
+                      total_peak_bytes=sum(states) + gathered + fp8_weights + activations + transient,
+                      micro_batches_in_flight=in_flight, capacity_bytes=capacity_bytes, gathered_parameters_bytes=gathered,
+                      fp8_weights_bytes=fp8_weights)
 
 
 def _chunks_in_flight(p) -> int:

@@ -14,6 +14,7 @@ from ..capture.trace import FORWARD, INPUT_GRAD, PHASES, WEIGHT_GRAD
 from ..dtypes import DTYPES
 from ..workload.table import Workload
 from .collectives import add_model_parallel, data_parallel_units, stage_units
+from .context_parallel import kv_bytes
 from .facts import ModelFacts
 from .layout import Parallel, virtual_stage_layers
 from .units import EMBEDDING, HEAD, Unit, split
@@ -53,7 +54,8 @@ def device_chunks(facts: ModelFacts, workload: Workload, p: Parallel, device: in
     if device == p.pp - 1 and p.pp > 1 and facts.tied_embedding is not None:
         keep_tied_copy(facts.tied_embedding, units, mine)
     act_itemsize = DTYPES[dtype].itemsize
-    add_model_parallel(mine, p, micro_batch, seq, facts.hidden, act_itemsize, facts.top_k)
+    add_model_parallel(mine, p, micro_batch, seq, facts.hidden, act_itemsize, facts.top_k,
+                       kv_bytes(micro_batch, seq, facts.kv_heads or facts.heads, facts.head_dim, p.tp, act_itemsize))
     return chunks, data_parallel_units(mine, p, DTYPES[grad_dtype].itemsize, act_itemsize)
 
 
@@ -77,6 +79,7 @@ def split_once(facts: ModelFacts, workload: Workload) -> list[Unit]:
         units = split(workload, facts.stack, list(facts.row_parallel))
         for u in units:
             u.costs = {ph: (u.ns(ph), u.flops(ph)) for ph in (FORWARD, INPUT_GRAD, WEIGHT_GRAD)}
+            u.core_ns = {ph: u.attention_core_ns(ph) for ph in (FORWARD, INPUT_GRAD, WEIGHT_GRAD)}
         held = _SPLIT[id(workload)] = (workload, units)
     return held[1]
 

@@ -31,14 +31,14 @@ from ..workload.layers import layer_of
 from ..workload.memory import allocated_bytes
 from ..workload.stacks import op_level_recomputed
 from ..workload.table import NodeRow, OpCost, Workload
-from .layout import Parallel, stage_layers
+from .layout import Parallel, virtual_stage_layers
 
 
 def recomputed_layers(parallel: Parallel, layers: int) -> set[int]:
     if parallel.recompute == "none":
         return set()
-    count = parallel.recompute_layers
-    return {layer for stage in stage_layers(parallel, layers) for layer in list(stage)[:count]}
+    count = parallel.recompute_layers  # per model chunk, as Megatron-LM's --recompute-num-layers with --vpp
+    return {layer for chunk in virtual_stage_layers(parallel, layers) for layer in list(chunk)[:count]}
 
 
 def with_recompute(workload: Workload, parallel: Parallel, stack: str | None, layers: int,

@@ -24,6 +24,7 @@ class Comm:
     group: str  # tp, ep, dp or dp_ep
     bytes: int  # the collective's whole buffer, as SimAI and NCCL count it
     what: str  # why it happens, for timelines
+    overlapped: bool = False  # runs beside the unit's attention core (CP's ring): only what outlasts it is exposed
 
 
 @dataclass
@@ -36,6 +37,7 @@ class Unit:
     moe: bool = False
     comms: dict[str, list[Comm]] = field(default_factory=lambda: {phase: [] for phase in PHASES})
     costs: dict[str, tuple[float, int]] | None = None  # phase -> (ns, flops), summed once for a layout search
+    core_ns: dict[str, float] | None = None  # phase -> its attention core's time (what CP's ring overlaps)
 
     def ops(self, phase: str) -> list:
         return [op for row in self.rows for op in row.ops(phase)]
@@ -45,6 +47,9 @@ class Unit:
 
     def flops(self, phase: str) -> int:
         return sum(op.flops for op in self.ops(phase))
+
+    def attention_core_ns(self, phase: str) -> float:
+        return sum(op.estimated_ns for op in self.ops(phase) if op.sdpa_backend)
 
 
 def split(workload: Workload, stack: str | None, row_parallel: list[str]) -> list[Unit]:

@@ -47,6 +47,7 @@ class OpCost:
     dispatch_ns: float = 0.0  # host (CPU) time to issue it in an eager step; 0 where not modelled
     fused_ops: int = 0  # a fused kernel's op (--stack fused/compiled): the aten ops the kernel runs; 0: not one
     fused: bool = False  # runs inside another op's fused kernel, whose flops, bytes and time hold it
+    gemm_dtype: str = ""  # a GEMM run in another dtype than its tensors' (--fp8: "fp8"); "" = theirs
 
 
 @dataclass
@@ -98,6 +99,7 @@ class Workload:
     activation_peak_bytes: int = 0  # the same without the parameter gradients
     # per kernel family, the 90 % interval of measured / estimated on held-out kernels (the device's fit)
     error_intervals: dict = field(default_factory=dict)
+    fp8_weight_elements: int = 0  # --fp8: the weights with FP8 copies (the decoder layers' linear layers)
 
     @classmethod
     def of_rows(cls, rows: list, grad_dtype: torch.dtype, step_peak_bytes: int = 0,

@@ -1,0 +1,110 @@
+"""FP8 training as Transformer Engine runs it (``te.fp8_autocast`` around the decoder layers; NVIDIA's
+"Using FP8 with Transformer Engine" and Micikevicius et al. 2022, "FP8 Formats for Deep Learning").
+
+Which GEMMs: the linear layers of the decoder layers, forward and both backward GEMMs (input and
+weight gradient). Attention's core, the norms, the embedding and the output layer (Megatron-LM
+builds it outside TE) stay in the step's dtype. Each FP8 GEMM is timed by the same tile/wave model
+as the others (cost/gpu.py), at the GPU's dense FP8 tensor peak with one-byte operands.
+
+What FP8 adds around them, as memory-bound kernels at the casting kernels' rate (Little's law,
+cost/gpu.py): before the forward GEMM the input is cast to FP8 with its transpose (for the weight
+gradient), its amax taken in the same pass (TE's ``cast_transpose``): read 2 bytes, write 1 + 1, per
+element; before the input-gradient GEMM the output gradient likewise. The weights' FP8 copies (and
+transposes) are made once per step, after the optimizer, and kept: 2 bytes per weight in memory
+(cluster/step.py, parallel/memory.py).
+
+What backward keeps: TE saves a linear's input as its FP8 cast, one byte per element where the step
+saved two. The 16-bit input was saved by the op that made it (a norm's output, a fused kernel's, the
+attention core's); that op's saved bytes lose one byte per element of the input, once however many
+linear layers read it (q, k and v; gate and up). The producer is the nearest row before the linear, in
+its layer, that saved at least the input's 16-bit bytes and made a tensor of the input's size; linear
+layers of one input size with only views between them (q, k, v) read the same input.
+
+Not modelled: delayed scaling's amax history, and FP8 weight all-gathers (ZeRO-3 gathers move 16-bit
+parameters).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+from ..cost.devices import DeviceProfile
+from ..cost.gpu import memory_ns
+from ..cost.optime import gpu_op_ns
+from ..errors import UserError
+from .layers import layer_of
+from .table import GradRow, NodeRow, OpCost, Workload
+
+CAST_BYTES_PER_ELEMENT = 2 + 1 + 1  # read a 16-bit value, write its FP8 cast and the cast's transpose
+
+
+def check_fp8(device: DeviceProfile, dtype: str) -> None:
+    if dtype not in ("bf16", "fp16"):
+        raise UserError(f"--fp8 runs the linear layers' GEMMs in FP8 around a 16-bit step: use --dtype bf16, not {dtype}")
+    if "fp8" not in device.matmul_flops_per_s:
+        raise UserError(f"device '{device.name}' has no FP8 tensor cores in its profile (matmul_flops_per_s.fp8); "
+                        "--fp8 needs Hopper, Ada, Blackwell or CDNA 3 (see 'fxworkload devices')")
+    if not device.sm_count:
+        raise UserError(f"--fp8 times GEMMs with the GPU model: device '{device.name}' is not a GPU profile")
+
+
+def with_fp8(workload: Workload, device: DeviceProfile, stack: str | None) -> Workload:
+    """The table with its decoder layers' linear GEMMs in FP8 (and their casts); the rest as it was."""
+    retimed: dict[int, OpCost] = {}
+
+    def fp8(op: OpCost, cast_elements: int) -> OpCost:
+        if op.gemm_mkn is None or op.sdpa_backend:
+            return op
+        if id(op) not in retimed:
+            cast_bytes = cast_elements * CAST_BYTES_PER_ELEMENT
+            cast_ns = memory_ns(cast_bytes, device.gpu_facts(), device.gpu_model(), casts=True) if cast_bytes else 0.0
+            retimed[id(op)] = replace(op, gemm_dtype="fp8", bytes=op.bytes + cast_bytes,
+                                      estimated_ns=gpu_op_ns(op, device, "fp8") + cast_ns)
+        return retimed[id(op)]
+
+    rows, weights, halved = [], 0, set()
+    previous = None  # (input elements, rows so far) of the last linear while only views follow it
+    for row in workload.rows:
+        if not (isinstance(row, NodeRow) and _linear_in_layer(row, stack)):
+            rows.append(row)
+            if isinstance(row, NodeRow) and row.forward.kind != "view":
+                previous = None
+            continue
+        m, k, n = row.forward.gemm_mkn
+        elements = m * k * row.forward.gemm_batch
+        if previous is None or previous[0] != elements:  # not a sibling of the last linear: find its input
+            _save_input_in_fp8(rows, row, elements, stack, halved)
+        previous = (elements, len(rows))
+        rows.append(replace(row, forward=fp8(row.forward, m * k),
+                            input_grad=[fp8(op, m * n if op.gemm_mkn else 0) for op in row.input_grad],
+                            weight_grad=[fp8(op, 0) for op in row.weight_grad]))
+        weights += k * n * row.forward.gemm_batch
+    removed = workload.saved_bytes - sum(r.saved_bytes for r in rows if isinstance(r, NodeRow))
+    return replace(workload, rows=rows, fp8_weight_elements=weights,
+                   step_peak_bytes=max(workload.step_peak_bytes - removed, 0),
+                   activation_peak_bytes=max(workload.activation_peak_bytes - removed, 0))
+
+
+def _save_input_in_fp8(rows: list, linear: NodeRow, elements: int, stack: str | None, halved: set) -> None:
+    """The row that saved the linear's 16-bit input now saves it in FP8: one byte per element less."""
+    layer = layer_of(linear.module, stack)
+    for i in range(len(rows) - 1, -1, -1):
+        row = rows[i]
+        if not isinstance(row, NodeRow):
+            continue
+        if layer_of(row.module, stack) != layer:
+            return
+        made = any(math.prod(shape) == elements for shape in row.forward.output_shapes)
+        if made and i in halved:  # another reader of the same input (up after gate): already one byte
+            return
+        if made and row.saved_bytes >= 2 * elements:
+            halved.add(i)
+            rows[i] = replace(row, saved_bytes=row.saved_bytes - elements)
+            return
+
+
+def _linear_in_layer(row: NodeRow, stack: str | None) -> bool:
+    op = row.forward
+    return (op.gemm_mkn is not None and not op.sdpa_backend and op.kind == "matmul"
+            and layer_of(row.module, stack) is not None and not isinstance(row, GradRow))

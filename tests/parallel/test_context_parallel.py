@@ -1,0 +1,106 @@
+"""Context parallelism against hand computations: attention's work grows with the square of the
+tokens, everything else linearly, so a rank of cp holding seq / cp tokens of a load-balanced causal
+split does 1/cp of the whole step's work; the key/value exchange's size from the config; the rank
+groups of Megatron-Core's order "tp-cp-ep-dp-pp" written out by hand."""
+
+from __future__ import annotations
+
+import pytest
+
+from fxworkload.capture.trace import FORWARD, INPUT_GRAD, PHASES
+from fxworkload.errors import UserError
+from fxworkload.formats.chakra import group_members
+from fxworkload.parallel.layout import Parallel
+from fxworkload.pipeline import extract
+
+SEQ = 32
+
+
+def _core_flops(workload) -> int:
+    return sum(op.flops for op in workload.ops() if op.sdpa_backend)
+
+
+def _other_flops(workload) -> int:
+    return sum(op.flops for op in workload.ops() if not op.sdpa_backend)
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_a_context_parallel_rank_does_one_cp_th_of_the_step(tiny_dirs, cp):
+    whole = extract(str(tiny_dirs["llama"]), batch=1, seq=SEQ, dtype="bf16", device="h100-sxm")
+    rank = extract(str(tiny_dirs["llama"]), batch=1, seq=SEQ, dtype="bf16", device="h100-sxm",
+                   parallel=Parallel(cp=cp))
+    assert rank.settings["seq"] == SEQ and rank.settings["seq_per_rank"] == SEQ // cp
+    # attention: the rank's queries against every key, a 1/cp share of the causal square
+    assert _core_flops(rank.workload) * cp == _core_flops(whole.workload)
+    # the rest (GEMMs, norms, the loss): linear in the tokens
+    assert _other_flops(rank.workload) * cp == pytest.approx(_other_flops(whole.workload), rel=1e-6)  # integer rounding
+    # so the cluster counts the same model FLOPs for the same tokens, cp ranks doing them
+    assert rank.cluster.model_flops == pytest.approx(whole.cluster.model_flops, rel=1e-6)
+    assert rank.cluster.tokens == whole.cluster.tokens == SEQ
+    assert rank.rank.parallel.world == cp
+
+
+def test_the_key_value_exchange_is_the_whole_sequences_keys_and_values(tiny_dirs):
+    """tiny llama: 4 heads of 16 values (hidden 64), 2 key/value heads; bf16. One layer's keys and
+    values of the whole sequence: 2 x seq x 2 heads x 16 x 2 bytes, split over tp 2."""
+    tp, cp = 2, 2
+    result = extract(str(tiny_dirs["llama"]), batch=1, seq=SEQ, dtype="bf16", device="h100-sxm",
+                     parallel=Parallel(tp=tp, cp=cp, cp_comm="allgather"))
+    whole_kv = 2 * SEQ * 2 * 16 * 2 // tp
+    for phase, types in ((FORWARD, ["ALLGATHER"]), (INPUT_GRAD, ["ALLGATHER", "REDUCESCATTER"])):
+        per_unit = [[c for c in u.comms[phase] if c.group == "cp"] for u in result.rank.units]
+        with_cp = [comms for comms in per_unit if comms]
+        assert len(with_cp) == 2  # one per attention block: two layers
+        assert all([c.type for c in comms] == types and comms[0].bytes == whole_kv for comms in with_cp)
+    ring = extract(str(tiny_dirs["llama"]), batch=1, seq=SEQ, dtype="bf16", device="h100-sxm",
+                   parallel=Parallel(tp=tp, cp=cp))
+    backward = [c.type for u in ring.rank.units for c in u.comms[INPUT_GRAD] if c.group == "cp"]
+    assert backward == ["ALLGATHER", "REDUCESCATTER"] * 2  # the ring moves keys again, gradients back
+    assert all(c.overlapped for u in ring.rank.units for ph in PHASES for c in u.comms[ph] if c.group == "cp")
+
+
+def test_a_rank_saves_its_own_tokens_activations(tiny_dirs):
+    """Transformer Engine's CP attention saves the rank's own q, k, v (and gathers again in backward):
+    a rank of cp saves what the whole-sequence step saves over cp, layer by layer."""
+    cp, seq = 2, 64  # every saved tensor a multiple of the allocator's 512-byte blocks at seq / cp
+    whole = extract(str(tiny_dirs["llama"]), batch=1, seq=seq, dtype="bf16", device="h100-sxm")
+    for comm in ("p2p", "allgather"):
+        rank = extract(str(tiny_dirs["llama"]), batch=1, seq=seq, dtype="bf16", device="h100-sxm",
+                       parallel=Parallel(cp=cp, cp_comm=comm))
+        layer = [sum(r.saved_bytes for u in result.rank.units if u.layer == 1 for r in u.rows)
+                 for result in (whole, rank)]
+        assert layer[1] * cp == pytest.approx(layer[0], rel=0.02)
+
+
+def test_an_exposed_ring_step_is_what_outlasts_the_attention_core(tiny_dirs):
+    """The overlapped ring is exposed only past the core; the all-gather always whole."""
+    from fxworkload.cluster.network import comm_ns
+    from fxworkload.cluster.step import exposed_comm_ns
+
+    result = extract(str(tiny_dirs["llama"]), batch=1, seq=SEQ, dtype="bf16", device="h100-sxm",
+                     parallel=Parallel(cp=2))
+    unit = next(u for u in result.rank.units if any(c.group == "cp" for c in u.comms[FORWARD]))
+    comm = next(c for c in unit.comms[FORWARD] if c.group == "cp")
+    full = comm_ns(comm, result.rank.parallel, result.device)
+    assert exposed_comm_ns(unit, comm, FORWARD, result.rank.parallel, result.device) == pytest.approx(
+        max(full - unit.core_ns[FORWARD], 0.0))
+    blocking = type(comm)(comm.type, comm.group, comm.bytes, comm.what)
+    assert exposed_comm_ns(unit, blocking, FORWARD, result.rank.parallel, result.device) == full
+
+
+def test_rank_groups_follow_megatron_cores_tp_cp_dp_order():
+    """tp 2, cp 2, dp 2, pp 2 (16 ranks): rank = pp x 8 + dp x 4 + cp x 2 + tp, by hand."""
+    p = Parallel(tp=2, cp=2, dp=2, pp=2)
+    assert group_members("tp", 5, p) == [4, 5]
+    assert group_members("cp", 5, p) == [5, 7]
+    assert group_members("dp", 5, p) == [1, 3, 5, 7]  # gradients: the data- and context-parallel ranks
+    assert group_members("cp", 9, p) == [9, 11]  # the second stage
+
+
+def test_bad_context_parallel_settings_are_one_line_errors(tiny_dirs):
+    with pytest.raises(UserError, match="multiple of"):
+        extract(str(tiny_dirs["llama"]), batch=1, seq=30, parallel=Parallel(cp=4))  # 8 chunks
+    with pytest.raises(UserError, match="--seq"):
+        extract(str(tiny_dirs["llama"]), batch=1, parallel=Parallel(cp=2))
+    with pytest.raises(UserError, match="--cp-comm"):
+        extract(str(tiny_dirs["llama"]), batch=1, seq=SEQ, parallel=Parallel(cp=2, cp_comm="ring"))

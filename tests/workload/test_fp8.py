@@ -1,0 +1,69 @@
+"""FP8 training against hand counts from the config (which GEMMs, how many weights, the casts'
+bytes) and the datasheet (the FP8 tensor peak is twice the BF16 one on Hopper)."""
+
+from __future__ import annotations
+
+import pytest
+
+from fxworkload.cost.devices import load
+from fxworkload.cost.gpu import gemm_ns
+from fxworkload.errors import UserError
+from fxworkload.pipeline import extract
+
+# tiny llama (tests/conftest.py): hidden 64, 4 heads of 16, 2 key/value heads, FFN 112, 2 layers
+HIDDEN, KV, FFN, LAYERS = 64, 2 * 16, 112, 2
+LINEAR_WEIGHTS = LAYERS * (2 * HIDDEN * HIDDEN + 2 * HIDDEN * KV + 3 * HIDDEN * FFN)  # q, o; k, v; gate, up, down
+
+
+def test_a_large_fp8_gemm_runs_at_twice_the_bf16_rate_on_hopper():
+    h100 = load("h100-sxm")
+    facts, model = h100.gpu_facts(), h100.gpu_model()
+    bf16 = gemm_ns(8192, 8192, 8192, 1, "bf16", (8192, 8192, 8192), facts, model)
+    fp8 = gemm_ns(8192, 8192, 8192, 1, "fp8", (8192, 8192, 8192), facts, model)
+    assert h100.matmul_flops_per_s["fp8"] == pytest.approx(2 * h100.matmul_flops_per_s["bf16"], rel=1e-3)  # 3,958 vs 1,979
+    assert fp8 / bf16 == pytest.approx(0.5, rel=0.02)  # compute-bound: the same tiles at twice the rate
+
+
+@pytest.fixture(scope="module")
+def steps(tiny_dirs):
+    args = dict(batch=2, seq=32, dtype="bf16", device="h100-sxm")
+    return extract(str(tiny_dirs["llama"]), **args), extract(str(tiny_dirs["llama"]), fp8=True, **args)
+
+
+def test_only_the_decoder_layers_linear_gemms_run_in_fp8(steps):
+    _, fp8 = steps
+    rows = fp8.workload.node_rows
+    converted = [(row.module, phase) for row in rows for phase in ("forward", "input_grad", "weight_grad")
+                 for op in row.ops(phase) if op.gemm_dtype == "fp8"]
+    # seven linear layers per decoder layer, each with its forward, input- and weight-gradient GEMM
+    assert len(converted) == LAYERS * 7 * 3
+    assert all(".layers." in module for module, _ in converted)  # not lm_head, not the embedding
+    assert not any(op.gemm_dtype for row in rows for op in row.ops("forward") if op.sdpa_backend)  # attention stays
+
+
+def test_fp8_weights_and_cast_bytes_are_counted_by_hand(steps):
+    bf16, fp8 = steps
+    assert fp8.workload.fp8_weight_elements == LINEAR_WEIGHTS
+    assert fp8.memory.fp8_weights_bytes == 2 * LINEAR_WEIGHTS  # one rank holds all: an FP8 copy and its transpose
+    tokens = 2 * 32
+    q_proj = next(r for r in fp8.workload.node_rows
+                  if r.module.endswith("layers.0.self_attn.q_proj") and r.forward.gemm_mkn)
+    plain = next(r for r in bf16.workload.node_rows if r.name == q_proj.name)
+    # the forward GEMM's input cast: read 2 bytes, write 1 + 1 (the FP8 value and its transpose) per element
+    assert q_proj.forward.bytes - plain.forward.bytes == tokens * HIDDEN * 4
+    assert q_proj.forward.flops == plain.forward.flops  # the same arithmetic, at another rate
+
+
+def test_fp8_is_refused_where_it_cannot_run(tiny_dirs):
+    with pytest.raises(UserError, match="no FP8 tensor cores"):
+        extract(str(tiny_dirs["llama"]), seq=16, dtype="bf16", device="a100-80gb", fp8=True)
+    with pytest.raises(UserError, match="--dtype bf16"):
+        extract(str(tiny_dirs["llama"]), seq=16, dtype="fp32", device="h100-sxm", fp8=True)
+
+
+def test_backward_keeps_each_linear_input_in_fp8_once(steps):
+    """Per layer four distinct linear inputs (q/k/v's, o's, gate/up's, down's), 64 tokens each:
+    hidden 64, heads x head_dim 64, hidden 64, FFN 112; each saved at one byte instead of two."""
+    bf16, fp8 = steps
+    tokens = 2 * 32
+    assert bf16.workload.saved_bytes - fp8.workload.saved_bytes == LAYERS * tokens * (HIDDEN + 64 + HIDDEN + FFN)
