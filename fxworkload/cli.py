@@ -91,7 +91,10 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--gpus", type=int, required=True, help="GPUs in the cluster")
     plan.add_argument("--global-batch", type=int, required=True, help="sequences per step (all micro-batches, all replicas)")
     plan.add_argument("--seq", type=int, required=True, help="sequence length")
-    plan.add_argument("--device", default="h100-sxm", help="device profile (default h100-sxm)")
+    plan.add_argument("--device", default="h100-sxm",
+                      help="device profile, or several comma-separated to compare them (default h100-sxm)")
+    plan.add_argument("--cp", default="1", help="context-parallel degrees to search, comma-separated (default 1)")
+    plan.add_argument("--fp8", action="store_true", help=FP8_HELP)
     plan.add_argument("--dtype", default="bf16", help="parameter and activation dtype: fp32, bf16 or fp16 (default bf16, "
                                                       "as large runs train; extract's default is fp32)")
     plan.add_argument("--stack", default="eager", help=STACK_HELP)
@@ -372,8 +375,8 @@ def _stem(path: Path) -> str:
 
 
 def run_plan(args) -> int:
-    from .dtypes import check_settings
-    from .formats.tables import plan_text
+    from .limits import check_settings
+    from .formats.plan_text import plan_text
     from .plan import check_plan_counts, plan
 
     _check_top(args.top)
@@ -384,11 +387,20 @@ def run_plan(args) -> int:
         raise UserError(f"--workers must be at least 1, got {args.workers}")
     _quiet_transformers()
     result = plan(args.model, gpus=args.gpus, global_batch=args.global_batch, seq=args.seq, device=args.device,
-                  dtype=args.dtype, workers=args.workers, ray=args.ray, progress=True, stack=args.stack)
+                  dtype=args.dtype, workers=args.workers, ray=args.ray, progress=True, stack=args.stack,
+                  cp=_degrees(args.cp, "--cp"), fp8=args.fp8)
     text = plan_text(result, args.top)
     out = args.out or Path("outputs") / f"{result['model']}-plan-{args.gpus}"
     return _publish(out, text, {"plan.json": json.dumps(result, indent=1, sort_keys=True) + "\n", "plan.txt": text},
-                    {k: result[k] for k in ("model", "gpus", "global_batch", "seq", "dtype", "device", "stack")})
+                    {k: result[k] for k in ("model", "gpus", "global_batch", "seq", "dtype", "fp8", "device", "stack",
+                                            "cp")})
+
+
+def _degrees(text: str, option: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise UserError(f"{option} must be comma-separated positive integers, e.g. 1,2,4; got '{text}'") from None
 
 
 def run_calibrate(args) -> int:

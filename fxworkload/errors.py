@@ -26,6 +26,13 @@ def on_signal(signum, frame):
     raise Terminated if signum == signal.SIGTERM else KeyboardInterrupt
 
 
+def record_signal(signum, frame):
+    """Remember the signal and let the work go on: where raising would cross C++ (torch's and
+    transformers' imports, pybind11 aborts the process on a Python exception it cannot pass on),
+    the caller checks afterwards (``check_signalled``)."""
+    _SIGNALLED.append(signum)
+
+
 def check_signalled() -> None:
     if _SIGNALLED:
         raise Terminated if signal.SIGTERM in _SIGNALLED else KeyboardInterrupt

@@ -20,6 +20,24 @@ MAX_VOCAB_MULTIPLE = 1 << 16
 MAX_BUCKET_MB = 1 << 20
 
 
+STEP_DTYPES = ("fp32", "bf16", "fp16")  # dtypes.DTYPES's names, here without torch
+
+
+def check_settings(batch: int, seq: int | None, dtype: str, grad_dtype: str | None = None) -> None:
+    """A step's batch, sequence and dtypes, before any work starts."""
+    for name, value, limit in (("batch", batch, MAX_BATCH), ("seq", seq, MAX_SEQ)):
+        if value is not None and value <= 0:
+            raise UserError(f"--{name} must be a positive integer, got {value}")
+        if value is not None and value > limit:
+            raise UserError(f"--{name} {value:,} exceeds {limit:,}, more than any real training step; check it")
+    if seq is not None and batch * seq > MAX_TOKENS:
+        raise UserError(f"--batch x --seq = {batch * seq:,} tokens per micro-batch exceeds {MAX_TOKENS:,}; "
+                        "use a smaller --batch (and more --micro-batches)")
+    for name, value in (("dtype", dtype), ("grad-dtype", grad_dtype)):
+        if value is not None and value not in STEP_DTYPES:
+            raise UserError(f"unknown --{name} '{value}': use one of {', '.join(STEP_DTYPES)}")
+
+
 def check_count(option: str, value, limit: int, hint: str = "check it") -> None:
     """A positive integer no larger than ``limit``; else one line naming the option, the value and the limit."""
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:

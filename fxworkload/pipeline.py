@@ -22,7 +22,8 @@ from .capture.attention import GpuTarget
 from .capture.builtin import locate
 from .cost import devices
 from .cost.devices import DeviceProfile
-from .dtypes import DTYPES, check_settings
+from .dtypes import DTYPES
+from .limits import check_settings
 from .errors import UserError
 from .names import check_name
 from .parallel.facts import ModelFacts
@@ -267,7 +268,7 @@ def _capture(model, batch, seq, dtype, grad_dtype, gpu, every_layer, say, parall
 
     register_transformers_ops()
     if not every_layer and facts.layers > max(SHORT_LAYERS):
-        say(f"capturing one training step (batch {batch}, seq {seq}) of 4- and 5-layer copies...")
+        say(f"capturing one training step (batch {batch}, seq {seq}) of {SHORT_LAYERS[0]}- and {SHORT_LAYERS[1]}-layer copies...")
         # The whole model is sharded only if it is traced: its layers are alike sharded or not.
         workload = fast_workload(spec, module, batch, seq, DTYPES[dtype], DTYPES[grad_dtype], gpu, prepare, stack)
         if workload is not None:

@@ -1,28 +1,38 @@
 """``fxworkload plan``: every parallel layout of a model on N GPUs, filtered by memory, ranked by step time.
 
-A layout is TP x PP x DP (EP carved out of DP for a mixture of experts), with sequence
+A layout is TP x CP x PP x DP (EP carved out of DP for a mixture of experts), with sequence
 parallelism whenever TP > 1, a ZeRO stage, a micro-batch size, activation recomputation and
-virtual pipeline stages. TP stays inside a node and divides the heads; PP divides the layers;
-the global batch (in sequences) is micro-batch x micro-batches x DP.
+virtual pipeline stages, on each device asked for. TP stays inside a node and divides the heads;
+CP is one of the degrees asked for (``--cp``) and splits the sequence into 2·CP chunks; PP is any
+divisor of the GPUs up to the layer count, with layers / PP each or, where that does not divide,
+Llama 3's uneven split (the stages at both ends one layer short); the global batch (in sequences) is
+micro-batch x micro-batches x DP.
 
-The step of one micro-batch is captured once per distinct rank shape (TP, EP, micro-batch size;
+The step of one micro-batch is captured once per distinct rank shape (TP, EP, CP, micro-batch size;
 the graph cache keeps it for later runs) and every layout of that shape is evaluated from it:
-recomputation, the cluster's step (cluster/step.py) and each stage's memory. The shapes are
-spread over a local process pool, or over a Ray cluster with ``ray`` (the engine for a sweep
-that outgrows one machine): each shape is one task.
+recomputation, the cluster's step (cluster/step.py) and each stage's memory; what a layout shares
+with others of its shape (a device's passes, its gradient buckets) is computed once. Each shape's
+evaluated rows are cached too, keyed by everything they depend on (the config, the layouts, the
+device profile, this package's source): a plan asked again reads them without importing torch.
+The shapes left are spread over a local process pool, or over a Ray cluster with ``ray`` (the
+engine for a sweep that outgrows one machine): each shape is one task.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import importlib
 import itertools
+import json
 import multiprocessing
 import os
+import pickle
 import signal
 import socket
 import sys
 import threading
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 
 from .errors import UserError
 from .limits import MAX_GLOBAL_BATCH, MAX_MICRO_BATCHES, MAX_WORLD, check_count
@@ -44,27 +54,33 @@ class Shape:
 
 
 def candidate_layouts(gpus: int, global_batch: int, facts, gpus_per_node: int,
-                      seq: int | None = None) -> tuple[dict, dict[str, int]]:
+                      seq: int | None = None, cps: tuple[int, ...] = (1,)) -> tuple[dict, dict[str, int]]:
     """Shape -> its layouts (Parallel), and how many combinations each rule turned away. With ``seq``,
     a tp whose sequence parallelism cannot split the sequence is turned away too."""
     from .parallel.layout import Parallel
 
     dropped = {"tp does not divide the heads or exceeds a node": 0,
-               "sequence parallelism: tp does not divide the sequence": 0, "global batch does not divide": 0,
+               "sequence parallelism: tp does not divide the sequence": 0,
+               "context parallelism: 2 x cp does not divide the sequence": 0, "global batch does not divide": 0,
                f"more than {MAX_MICRO_BATCHES:,} micro-batches": 0,
                "virtual stages do not divide the layers or micro-batches": 0}
     groups: dict[Shape, list] = {}
     experts = facts.experts or 1
-    for tp, pp in itertools.product(_divisors(gpus), _divisors(facts.layers)):
-        if gpus % (tp * pp):
+    stages = [pp for pp in _divisors(gpus) if pp <= facts.layers]
+    for tp, cp, pp in itertools.product(_divisors(gpus), cps, stages):
+        if gpus % (tp * cp * pp) or (cp > 1 and facts.experts):
             continue
         if tp > gpus_per_node or facts.heads % tp or (facts.kv_heads and facts.kv_heads % tp):
             dropped["tp does not divide the heads or exceeds a node"] += 1
             continue
-        if seq is not None and tp > 1 and seq % tp:  # plan's layouts run SP whenever tp > 1
+        if seq is not None and cp > 1 and seq % (2 * cp):
+            dropped["context parallelism: 2 x cp does not divide the sequence"] += 1
+            continue
+        if seq is not None and tp > 1 and (seq // cp) % tp:  # plan's layouts run SP whenever tp > 1
             dropped["sequence parallelism: tp does not divide the sequence"] += 1
             continue
-        dp = gpus // (tp * pp)
+        dp = gpus // (tp * cp * pp)
+        pp_layers = uneven_stages(facts.layers, pp)
         vocab_multiple = 1 if facts.vocab % tp == 0 else 128  # pad as Megatron-LM does
         for ep, b in itertools.product([e for e in _divisors(dp) if experts % e == 0], MICRO_BATCH_SIZES):
             if ep > 1 and not facts.experts:
@@ -77,13 +93,25 @@ def candidate_layouts(gpus: int, global_batch: int, facts, gpus_per_node: int,
                 dropped[f"more than {MAX_MICRO_BATCHES:,} micro-batches"] += 1
                 continue
             for zero, recompute, vpp in itertools.product(ZERO_STAGES, RECOMPUTE, VIRTUAL_STAGES):
-                if vpp > 1 and (pp == 1 or facts.layers % (pp * vpp) or m % pp):
+                fits_chunks = min(pp_layers) >= vpp if pp_layers else facts.layers % (pp * vpp) == 0
+                if vpp > 1 and (pp == 1 or not fits_chunks or m % pp):
                     dropped["virtual stages do not divide the layers or micro-batches"] += 1
                     continue
-                groups.setdefault(Shape(tp, ep, b), []).append(Parallel(
-                    dp=dp, tp=tp, pp=pp, ep=ep, sp=tp > 1, micro_batches=m, zero=zero, recompute=recompute,
-                    vpp=vpp, vocab_multiple=vocab_multiple))
+                groups.setdefault(Shape(tp, ep, b, cp), []).append(Parallel(
+                    dp=dp, tp=tp, pp=pp, ep=ep, cp=cp, sp=tp > 1, micro_batches=m, zero=zero, recompute=recompute,
+                    vpp=vpp, vocab_multiple=vocab_multiple, pp_layers=pp_layers))
     return groups, dropped
+
+
+def uneven_stages(layers: int, pp: int) -> tuple[int, ...] | None:
+    """None where pp divides the layers; else the Llama 3 paper's split: every stage layers // pp or one
+    more, the shorter stages at both ends (the embedding's and the head's), e.g. 126 on 16: 7, 8 x 14, 7."""
+    if layers % pp == 0:
+        return None
+    base, extra = divmod(layers, pp)
+    short = pp - extra
+    ends = [base] * ((short + 1) // 2), [base] * (short // 2)
+    return (*ends[0], *[base + 1] * extra, *ends[1])
 
 
 def _divisors(n: int) -> list[int]:
@@ -109,21 +137,29 @@ def evaluate_shape(model: str, shape: Shape, layouts: list, seq: int, dtype: str
     facts, captured, profile = base.facts, base.model_workload, base.device
     seq = base.settings["seq_per_rank"]
     saved_bytes = captured.saved_bytes
-    recomputed = {}
+    recomputed, steps = {}, {}
     rows = []
     for p in layouts:
-        key = (p.recompute, p.recompute_layers, p.sp, p.vpp, p.pp, p.pp_layers)  # what with_recompute reads
+        key = (p.recompute, p.sp) + ((p.recompute_layers, p.vpp, p.pp, p.pp_layers) if p.recompute_layers else ())
         if key not in recomputed:
             layer_input = shape.micro_batch * seq * facts.hidden * DTYPES[dtype].itemsize // (p.tp if p.sp else 1)
             recomputed[key] = with_recompute(captured, p, facts.stack, facts.layers, layer_input)
         workload, regenerated = recomputed[key]
-        step = cluster_step(facts, workload, captured, p, shape.micro_batch, seq, dtype, grad_dtype, profile)
+        # ZeRO 1 and 2 run the same collectives at the same points (a reduce-scatter per bucket, the updated
+        # parameters' all-gather): one step; they differ in what each rank keeps (rank_memory below)
+        same_step = (key, replace(p, zero=1) if p.zero == 2 else p)
+        if same_step not in steps:
+            steps[same_step] = cluster_step(facts, workload, captured, p, shape.micro_batch, seq, dtype, grad_dtype,
+                                            profile)
+        step = steps[same_step]
         peak = 0
         for d in sorted({0, p.pp - 1}):  # the first stage holds the most micro-batches, the last the head
             memory = rank_memory(replace(p, stage=d), step.device_units[d], workload, dtype, grad_dtype, saved_bytes,
                                  regenerated, profile.memory_capacity_bytes)
             peak = max(peak, memory.total_peak_bytes)
-        rows.append({"tp": p.tp, "cp": p.cp, "pp": p.pp, "dp": p.dp, "ep": p.ep, "sp": p.sp, "vpp": p.vpp, "zero": p.zero,
+        rows.append({"device": profile.name, "tp": p.tp, "cp": p.cp, "pp": p.pp,
+                     "pp_layers": list(p.pp_layers) if p.pp_layers else None, "dp": p.dp, "ep": p.ep, "sp": p.sp,
+                     "vpp": p.vpp, "zero": p.zero, "fp8": fp8, "parts_ms": _parts_ms(step),
                      "recompute": p.recompute, "recompute_layers": p.recompute_layers, "micro_batch": shape.micro_batch, "micro_batches": p.micro_batches,
                      "step_ms": step.step_ns / 1e6, "mfu": step.mfu, "hfu": step.hfu,
                      "step_low_ms": (step.step_interval_ns or (step.step_ns,) * 2)[0] / 1e6,
@@ -135,32 +171,122 @@ def evaluate_shape(model: str, shape: Shape, layouts: list, seq: int, dtype: str
     return rows
 
 
+def _parts_ms(step) -> dict[str, float]:
+    """The step's time by what it is spent on (ms): the busiest device's compute, the blocking collectives
+    per group, the pipeline bubble, and what the data-parallel side leaves exposed."""
+    exposed = step.exposed_ns
+    blocking = exposed["tp"] + exposed["cp"] + exposed["ep"]
+    busiest = max(step.devices, key=lambda d: d.compute_ns)
+    parts = {"compute": busiest.compute_ns + busiest.bucket_slowdown_ns - blocking, "tp": exposed["tp"],
+             "cp": exposed["cp"], "ep": exposed["ep"], "bubble": exposed["pp_bubble"], "dp": exposed["dp"],
+             "zero gathers": exposed["zero_gather"] + exposed["zero3_gather"], "optimizer": exposed["optimizer"]}
+    return {name: ns / 1e6 for name, ns in parts.items()}
+
+
 def plan(model: str, gpus: int, global_batch: int, seq: int, device: str = "h100-sxm", dtype: str = "bf16",
-         workers: int | None = None, ray: str | None = None, progress: bool = False, stack: str = "eager") -> dict:
-    from .pipeline import load_device
+         workers: int | None = None, ray: str | None = None, progress: bool = False, stack: str = "eager",
+         cp: tuple[int, ...] = (1,), fp8: bool = False) -> dict:
+    """``device``: one profile name or several, comma-separated (every layout is evaluated on each);
+    ``cp``: the context-parallel degrees to search; ``fp8``: every layout trains in FP8 (workload/fp8.py)."""
     from .workload.stacks import check_stack
 
     check_plan_counts(gpus, global_batch)
     check_stack(stack)
-    profile = load_device(device)
-    if not (profile.intra_node_bytes_per_s and profile.inter_node_bytes_per_s and profile.memory_capacity_bytes):
-        raise UserError(f"device '{profile.name}' lacks interconnect or memory figures a plan needs; use a GPU "
-                        "profile such as --device h100-sxm")
-    facts = _facts(model, dtype)
-    groups, dropped = candidate_layouts(gpus, global_batch, facts, profile.gpus_per_node, seq)
+    cps = check_cp_degrees(cp)
+    profiles = [_plan_device(name, fp8, dtype) for name in _device_names(device)]
+    if ray is not None:
+        _probe(ray)  # a wrong address is said now, even when every shape is read from the cache
+    with contextlib.ExitStack() as stack_of_resources:
+        # A model not seen before will be captured: the workers start (and import torch) while the
+        # model's facts are read here, instead of after.
+        early = (stack_of_resources.enter_context(_pool(workers or os.cpu_count() or 1))
+                 if ray is None and not _facts_cached(model, dtype) else None)
+        return _plan(model, gpus, global_batch, seq, dtype, workers, ray, progress, stack, cps, fp8, profiles, early)
+
+
+def _plan(model, gpus, global_batch, seq, dtype, workers, ray, progress, stack, cps, fp8, profiles, early) -> dict:
+    with _signals_held():
+        facts = _facts(model, dtype)
+    groups, dropped = {}, {}
+    for profile in profiles:
+        found, turned = candidate_layouts(gpus, global_batch, facts, profile.gpus_per_node, seq, cps)
+        groups.update({(profile.name, shape): layouts for shape, layouts in found.items()})
+        dropped = {why: dropped.get(why, 0) + count for why, count in turned.items()}
     if not groups:
         raise UserError(f"no layout of {gpus} GPUs runs {facts.name} with global batch {global_batch}: tensor "
-                        f"parallelism must divide its {facts.heads} heads within a node of {profile.gpus_per_node}, "
-                        f"pipeline stages its {facts.layers} layers, and data parallelism x micro-batch the global "
-                        "batch; choose a GPU count and batch those divide")
-    rows = _run(model, groups, seq, dtype, device, workers, ray, progress, stack)
-    fitting = sorted((r for r in rows if r["fits"]), key=lambda r: (r["step_ms"], -r["mfu"]))
+                        f"parallelism must divide its {facts.heads} heads within a node of {profiles[0].gpus_per_node}, "
+                        f"pipeline stages at most its {facts.layers} layers, and data parallelism x micro-batch the "
+                        "global batch; choose a GPU count and batch those divide")
+    settings = {"seq": seq, "dtype": dtype, "stack": stack, "fp8": fp8,
+                "devices": {p.name: asdict(p) for p in profiles}, "config": _raw_config(model)}
+    rows = _run(model, groups, settings, workers, ray, progress, early)
+    fitting = sorted((r for r in rows if r["fits"]), key=lambda r: (r["step_ms"], -r["mfu"], _order(r)))
     for row in fitting:  # within the best's error interval: the estimates cannot tell them apart
         row["overlaps_best"] = row["step_low_ms"] <= fitting[0]["step_high_ms"]
     dropped["does not fit in memory"] = sum(1 for r in rows if not r["fits"])
-    return {"model": facts.name, "gpus": gpus, "global_batch": global_batch, "seq": seq, "dtype": dtype,
-            "stack": stack, "device": profile.name, "evaluated": len(rows), "shapes": len(groups), "dropped": dropped,
-            "ranked": fitting}
+    return {"model": facts.name, "gpus": gpus, "global_batch": global_batch, "seq": seq, "dtype": dtype, "fp8": fp8,
+            "stack": stack, "device": ",".join(p.name for p in profiles), "cp": list(cps), "evaluated": len(rows),
+            "shapes": len(groups), "dropped": dropped, "ranked": fitting, "why": why_best(fitting)}
+
+
+def _order(row: dict) -> tuple:
+    """A total order among layouts of equal time: the same ranking on every run and machine."""
+    return tuple(str(row[k]) for k in ("device", "tp", "cp", "pp", "vpp", "dp", "ep", "zero", "recompute",
+                                       "micro_batch"))
+
+
+def why_best(ranked: list[dict]) -> list[str]:
+    """Why the best layout wins: against the fastest layout that differs from it in each choice (tp, cp,
+    pp, vpp, ZeRO, recomputation, micro-batch, device), the parts of the step that make the difference."""
+    if not ranked:
+        return []
+    best, lines = ranked[0], []
+    for choice in ("device", "tp", "cp", "pp", "vpp", "zero", "recompute", "micro_batch"):
+        other = next((r for r in ranked[1:] if r[choice] != best[choice]), None)
+        if other is None:
+            continue
+        parts = {k: other["parts_ms"][k] - best["parts_ms"][k] for k in best["parts_ms"]}
+        biggest = sorted(parts.items(), key=lambda kv: -abs(kv[1]))[:2]
+        said = ", ".join(f"{name} {'+' if ms >= 0 else '-'}{abs(ms):.0f} ms" for name, ms in biggest if abs(ms) >= 0.5)
+        lines.append(f"{choice} {best[choice]} over {other[choice]}: the best {choice} {other[choice]} layout is "
+                     f"{other['step_ms'] - best['step_ms']:.0f} ms slower ({said or 'by rounding'})")
+    return lines
+
+
+def check_cp_degrees(cp) -> tuple[int, ...]:
+    values = (cp,) if isinstance(cp, int) else tuple(cp)
+    if not values:
+        raise UserError("--cp names no degree: give one or more, e.g. --cp 1,2,4")
+    for value in values:
+        check_count("--cp", value, MAX_WORLD)
+    return tuple(sorted(set(values)))
+
+
+def _device_names(device: str) -> list[str]:
+    names = [name.strip() for name in device.split(",") if name.strip()]
+    if not names:
+        raise UserError("--device names no profile: give one or more, e.g. --device h100-sxm,b200")
+    return list(dict.fromkeys(names))
+
+
+def _plan_device(name: str, fp8: bool, dtype: str):
+    from .cost import devices
+
+    profile = devices.load(name) if name != "cpu" else _cpu_profile()
+    if not (profile.intra_node_bytes_per_s and profile.inter_node_bytes_per_s and profile.memory_capacity_bytes):
+        raise UserError(f"device '{profile.name}' lacks interconnect or memory figures a plan needs; use a GPU "
+                        "profile such as --device h100-sxm")
+    if fp8:
+        from .workload.fp8 import check_fp8
+
+        check_fp8(profile, dtype)
+    return profile
+
+
+def _cpu_profile():
+    from .pipeline import load_device
+
+    return load_device("cpu")
 
 
 def check_plan_counts(gpus: int, global_batch: int) -> None:
@@ -168,61 +294,163 @@ def check_plan_counts(gpus: int, global_batch: int) -> None:
     check_count("--global-batch", global_batch, MAX_GLOBAL_BATCH, "it counts sequences per step")
 
 
+@contextlib.contextmanager
+def _signals_held():
+    """Ctrl-C and SIGTERM wait while the model is built: a KeyboardInterrupt raised inside torch's or
+    transformers' C++ code as they import aborts the process (pybind11's error_already_set, the pool's
+    workers left behind); they are remembered and stop the run as soon as the build is done (seconds)."""
+    from .errors import check_signalled, record_signal
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.signal(sig, record_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    check_signalled()
+
+
+def _facts_path(model: str, dtype: str):
+    from .cost.devices import cache_dir
+
+    return cache_dir() / "facts" / f"{_key({'config': _raw_config(model), 'dtype': dtype})}.pkl"
+
+
+def _facts_cached(model: str, dtype: str) -> bool:
+    try:
+        return _facts_path(model, dtype).is_file()
+    except UserError:
+        return False  # an unknown model: said by _facts, with its own message
+
+
 def _facts(model: str, dtype: str):
+    """The model's facts, kept in the cache by its config: a plan asked again builds no model."""
+    path = _facts_path(model, dtype)
+    try:
+        with open(path, "rb") as f:
+            return pickle.load(f)
+    except Exception:  # absent or damaged: build it
+        pass
     from .capture import models
     from .dtypes import DTYPES
     from .parallel.facts import model_facts
 
     spec = models.resolve(model)
-    return model_facts(spec, models.build_meta_model(spec, DTYPES[dtype]))
+    facts = model_facts(spec, models.build_meta_model(spec, DTYPES[dtype]))
+    _store(path, pickle.dumps(facts, protocol=pickle.HIGHEST_PROTOCOL))
+    return facts
 
 
-def _run(model, groups, seq, dtype, device, workers, ray_address, progress, stack) -> list[dict]:
+def _raw_config(model: str) -> dict:
+    from .capture.builtin import locate
+
+    _, config_path, _ = locate(model)
+    try:
+        return json.loads(config_path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
+        return {"unreadable": str(config_path)}
+
+
+def _key(material: dict) -> str:
+    from .fingerprint import versions
+
+    text = json.dumps(material | versions(), sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def _store(path, data: bytes) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_bytes(data)
+        tmp.replace(path)
+    except OSError:
+        pass  # an unwritable cache only costs the work next time
+
+
+def _rows_path(task: tuple, settings: dict):
+    from .cost.devices import cache_dir
+
+    model, (device, shape), layouts = task[:3]
+    material = {k: v for k, v in settings.items() if k != "devices"} | {
+        "device": settings["devices"][device], "shape": asdict(shape), "layouts": [p.as_dict() for p in layouts]}
+    return cache_dir() / "plans" / f"{_key(material)}.json"
+
+
+def _run(model, groups, settings, workers, ray_address, progress, early=None) -> list[dict]:
+    """``early``: a pool already started, used if any shape is left to evaluate."""
     from tqdm import tqdm
 
-    bar = tqdm(total=sum(len(v) for v in groups.values()), unit="layout", leave=False,
+    total = sum(len(v) for v in groups.values())
+    bar = tqdm(total=total, unit="layout", leave=False,
                disable=not (progress and sys.stderr.isatty()))  # a bar for a person, not for a log
-    rows = []
-    if ray_address is not None:
+    rows, tasks = [], []
+    for (device, shape), layouts in groups.items():
+        task = (model, (device, shape), layouts, settings["seq"], settings["dtype"], settings["stack"], settings["fp8"])
+        path = _rows_path(task, settings)
+        try:
+            cached = json.loads(path.read_text())
+        except (OSError, ValueError):
+            tasks.append((task, path))
+            continue
+        rows += cached
+        bar.update(len(cached))
+    if ray_address is not None and tasks:
         ray = _ray(ray_address)
-        task = ray.remote(evaluate_shape)
-        pending = {task.remote(model, shape, layouts, seq, dtype, device, stack): len(layouts)
-                   for shape, layouts in groups.items()}
+        remote = ray.remote(_evaluate)
+        pending = {remote.remote(task): (task, path) for task, path in tasks}
         while pending:
             ready, _ = ray.wait(list(pending), num_returns=1)
-            rows += ray.get(ready[0])
-            bar.update(pending.pop(ready[0]))
-    else:
-        count = workers or min(len(groups), os.cpu_count() or 1)
-        tasks = [(model, shape, layouts, seq, dtype, device, stack) for shape, layouts in groups.items()]
-        # Pool.__exit__ terminates the workers: Ctrl-C, SIGTERM (Terminated) or an error here ends them at once
-        total = sum(len(v) for v in groups.values())
+            part = ray.get(ready[0])
+            rows += _kept(part, pending.pop(ready[0])[1])
+            bar.update(len(part))
+    elif tasks:
+        count = workers or min(len(tasks), os.cpu_count() or 1)
         lines = progress and not on_terminal()  # a log gets a line at least every 10 s instead of the bar
+        done: list = []
 
         def status() -> str:
             return f"plan: {len(rows):,} of {total:,} layouts evaluated ({len(done)} of {len(tasks)} rank shapes)"
 
-        done: list = []
-        # After a SIGKILL of this process, Python's resource tracker (started for the spawn context) frees the
-        # pool's semaphores and warns of each on the caller's stderr: freeing them is all that is wanted.
-        quiet = "ignore::UserWarning:multiprocessing.resource_tracker"
-        if quiet not in sys.warnoptions:
-            sys.warnoptions.append(quiet)  # passed to the tracker as -W when it starts
-        # Pool.__exit__ terminates the workers: Ctrl-C, SIGTERM (Terminated) or an error here ends them at once.
-        # Spawned, not forked: a fork of this threaded process (torch's, the caller's threads) can inherit a
-        # lock another thread held and hang in the child.
-        with multiprocessing.get_context("spawn").Pool(count, initializer=_worker_start) as pool, \
+        with (contextlib.nullcontext(early) if early is not None else _pool(count)) as pool, \
                 (heartbeat(status) if lines else contextlib.nullcontext()):
-            for part in pool.imap_unordered(_evaluate, tasks):
-                rows += part
-                done.append(part)
+            paths = [path for _, path in tasks]
+            for index, part in pool.imap_unordered(_evaluate_indexed, list(enumerate(task for task, _ in tasks))):
+                rows += _kept(part, paths[index])
+                done.append(index)
                 bar.update(len(part))
     bar.close()
     return rows
 
 
+def _pool(count: int):
+    # After a SIGKILL of this process, Python's resource tracker (started for the spawn context) frees the
+    # pool's semaphores and warns of each on the caller's stderr: freeing them is all that is wanted.
+    quiet = "ignore::UserWarning:multiprocessing.resource_tracker"
+    if quiet not in sys.warnoptions:
+        sys.warnoptions.append(quiet)  # passed to the tracker as -W when it starts
+    # Pool.__exit__ terminates the workers: Ctrl-C, SIGTERM (Terminated) or an error here ends them at once.
+    # Spawned, not forked: a fork of this threaded process (torch's, the caller's threads) can inherit a
+    # lock another thread held and hang in the child.
+    return multiprocessing.get_context("spawn").Pool(count, initializer=_worker_start)
+
+
+def _kept(rows: list[dict], path) -> list[dict]:
+    _store(path, json.dumps(rows, sort_keys=True).encode())
+    return rows
+
+
+def _evaluate_indexed(item: tuple) -> tuple[int, list[dict]]:
+    index, task = item
+    return index, _evaluate(task)
+
+
 def _evaluate(task: tuple) -> list[dict]:
-    return evaluate_shape(*task)
+    model, (device, shape), layouts, seq, dtype, stack, fp8 = task
+    return evaluate_shape(model, shape, layouts, seq, dtype, device, stack, fp8=fp8)
 
 
 def _worker_start() -> None:
@@ -245,6 +473,9 @@ def _worker_start() -> None:
         os._exit(1)
 
     threading.Thread(target=watch, daemon=True).start()
+    # torch and transformers now, while the parent reads the model's facts, not with the first task
+    for module in ("fxworkload.pipeline", "fxworkload.capture.models"):
+        importlib.import_module(module)
 
 
 def _die_with_parent() -> None:

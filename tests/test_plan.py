@@ -43,9 +43,12 @@ def test_every_layout_divides_the_gpus_and_the_batch(four_layers):
     assert dropped["tp does not divide the heads or exceeds a node"] > 0
 
 
-def test_a_shapes_rows_are_the_cluster_step_of_each_layout(four_layers):
-    layouts = [Parallel(tp=2, sp=True, pp=2, dp=2, micro_batches=4, zero=z) for z in (0, 1)]
-    rows = evaluate_shape(four_layers, Shape(2, 1, 1), layouts, 16, "bf16", "h100-sxm")
+@pytest.mark.parametrize("cp", [1, 2])
+def test_a_shapes_rows_are_the_cluster_step_of_each_layout(four_layers, cp):
+    """Each row against its own extract (nothing shared): what the search computes once for many layouts
+    (passes, buckets, schedules, one step for ZeRO 1 and 2) gives each layout's own figures."""
+    layouts = [Parallel(tp=2, sp=True, pp=2, dp=2, cp=cp, micro_batches=4, zero=z) for z in (0, 1, 2, 3)]
+    rows = evaluate_shape(four_layers, Shape(2, 1, 1, cp), layouts, 16, "bf16", "h100-sxm")
     for row, p in zip(rows, layouts):
         result = extract(four_layers, batch=1, seq=16, dtype="bf16", device="h100-sxm", parallel=p)
         assert row["step_ms"] == pytest.approx(result.cluster.step_ns / 1e6)
@@ -185,3 +188,46 @@ def test_a_sequence_sp_cannot_split_drops_those_layouts_not_the_plan(four_layers
     result = plan(four_layers, gpus=2, global_batch=4, seq=15, device="h100-sxm", workers=1)
     assert result["ranked"] and {r["tp"] for r in result["ranked"]} == {1}
     assert result["dropped"]["sequence parallelism: tp does not divide the sequence"] > 0
+
+
+def test_uneven_stages_are_the_llama3_papers():
+    """Dubey et al. 2024, section 3.3.2: 126 layers on 16 stages, one layer fewer on the first and the last."""
+    from fxworkload.plan import uneven_stages
+
+    assert uneven_stages(126, 16) == (7, *[8] * 14, 7)
+    assert uneven_stages(80, 8) is None  # divides: Megatron's even split
+    for layers, pp in ((126, 8), (10, 4), (61, 64 // 2)):
+        stages = uneven_stages(layers, pp)
+        assert sum(stages) == layers and max(stages) - min(stages) == 1 and stages[0] == stages[-1] == min(stages)
+
+
+def test_plan_searches_the_context_parallel_degrees(four_layers):
+    result = plan(four_layers, gpus=4, global_batch=8, seq=16, workers=1, cp=(1, 2))
+    degrees = {r["cp"] for r in result["ranked"]}
+    assert degrees == {1, 2} and all(r["tp"] * r["cp"] * r["pp"] * r["dp"] == 4 for r in result["ranked"])
+
+
+def test_a_plan_asked_again_is_read_back_whole(four_layers, tmp_path, monkeypatch):
+    """The second run evaluates nothing (every shape's rows from the cache) and returns the same ranking."""
+    import fxworkload.plan as planner
+
+    monkeypatch.setenv("FXWORKLOAD_CACHE_DIR", str(tmp_path / "cache"))
+    first = plan(four_layers, gpus=4, global_batch=8, seq=16, workers=1)
+
+    def never(*args, **kwargs):
+        raise AssertionError("evaluated again")
+
+    monkeypatch.setattr(planner, "_evaluate_indexed", never)
+    assert plan(four_layers, gpus=4, global_batch=8, seq=16, workers=1) == first
+
+
+def test_why_the_best_wins_names_the_parts_that_differ():
+    from fxworkload.plan import why_best
+
+    parts = {"compute": 100.0, "tp": 10.0, "cp": 0.0, "ep": 0.0, "bubble": 20.0, "dp": 0.0, "zero gathers": 0.0,
+             "optimizer": 5.0}
+    best = {"device": "h100-sxm", "tp": 4, "cp": 1, "pp": 2, "vpp": 1, "zero": 1, "recompute": "none",
+            "micro_batch": 1, "step_ms": 135.0, "parts_ms": parts}
+    other = best | {"pp": 4, "step_ms": 175.0, "parts_ms": parts | {"bubble": 55.0, "compute": 105.0}}
+    lines = why_best([best, other])
+    assert lines == ["pp 2 over 4: the best pp 4 layout is 40 ms slower (bubble +35 ms, compute +5 ms)"]

@@ -29,6 +29,7 @@ def _stderr_of(argv, monkeypatch) -> str:
 
 
 def test_plan_reports_its_sweep_to_a_log(tiny_dirs, tmp_path, monkeypatch):
+    monkeypatch.setenv("FXWORKLOAD_CACHE_DIR", str(tmp_path / "cache"))  # a sweep to do, not one read back
     err = _stderr_of(["plan", tiny_dirs["llama4"], "--gpus", 4, "--global-batch", 8, "--seq", 16, "--workers", 1,
                       "--out", tmp_path / "p"], monkeypatch)
     assert re.search(r"plan: [\d,]+ of [\d,]+ layouts evaluated \(\d+ of \d+ rank shapes\) \(\d+ s\)", err), err

@@ -11,6 +11,7 @@ backward (the last one its own forward), each plus the point-to-point transfer b
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 FORWARD, BACKWARD = "F", "B"
@@ -26,7 +27,8 @@ class Pass:
     end_ns: float
 
 
-def device_order(pp: int, vpp: int, micro_batches: int, device: int) -> list[tuple[str, int, int]]:
+@functools.lru_cache(maxsize=4096)
+def device_order(pp: int, vpp: int, micro_batches: int, device: int) -> tuple[tuple[str, int, int], ...]:
     """(kind, chunk, micro-batch) in the order Megatron-LM runs them on ``device``."""
     total = micro_batches * vpp
     if vpp == 1:
@@ -45,7 +47,7 @@ def device_order(pp: int, vpp: int, micro_batches: int, device: int) -> list[tup
         order.append((FORWARD, *which(warmup + k, True)))
         order.append((BACKWARD, *which(k, False)))
     order += [(BACKWARD, *which(k, False)) for k in range(total - warmup, total)]
-    return order
+    return tuple(order)
 
 
 def simulate(pp: int, vpp: int, micro_batches: int, forward_ns, backward_ns, transfer_ns: float) -> list[Pass]:
@@ -55,7 +57,16 @@ def simulate(pp: int, vpp: int, micro_batches: int, forward_ns, backward_ns, tra
 
 
 def timelines(pp: int, vpp: int, micro_batches: int, forward_ns, backward_ns, transfer_ns: float) -> list[list[tuple]]:
-    """Per device, its passes in order as (kind, chunk, micro-batch, start_ns, end_ns)."""
+    """Per device, its passes in order as (kind, chunk, micro-batch, start_ns, end_ns). A layout search
+    asks for the same schedule many times (layouts that differ only in ZeRO or the data-parallel side):
+    each is simulated once; the lists returned are not to be changed."""
+    return _timelines(pp, vpp, micro_batches, tuple(map(tuple, forward_ns)), tuple(map(tuple, backward_ns)),
+                      transfer_ns)
+
+
+@functools.lru_cache(maxsize=1024)
+def _timelines(pp: int, vpp: int, micro_batches: int, forward_ns: tuple, backward_ns: tuple,
+               transfer_ns: float) -> list[list[tuple]]:
     orders = [device_order(pp, vpp, micro_batches, d) for d in range(pp)]
     last = pp * vpp - 1
     forward_end: dict[tuple[int, int], float] = {}  # (virtual stage, micro-batch) -> end

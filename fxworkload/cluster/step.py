@@ -23,15 +23,15 @@ from dataclasses import dataclass, field, replace
 
 from ..capture.trace import FORWARD, INPUT_GRAD, WEIGHT_GRAD
 from ..cost.devices import DeviceProfile
+from ..cost.gpu import memory_ns
 from ..dtypes import DTYPES
-from ..parallel.collectives import ALLGATHER, REDUCESCATTER
+from ..parallel.collectives import ALLGATHER, REDUCESCATTER, data_parallel_units
 from ..parallel.facts import ModelFacts
 from ..parallel.layout import Parallel
 from ..parallel.memory import ADAM_BYTES_PER_PARAMETER
-from ..parallel.rank import device_chunks, model_chunks, split_once
+from ..parallel.rank import model_chunks, model_parallel_chunks, split_once
 from ..parallel.units import Comm, Unit, is_expert
 from ..workload.table import Workload
-from ..cost.gpu import memory_ns
 from .network import comm_ns, p2p_ns
 from .schedule import BACKWARD, Pass, timelines
 from .zero3 import Group, compute_share_lost, simulate_pass
@@ -75,8 +75,9 @@ class ClusterStep:
     device_chunks: list[list[list[Unit]]] = field(repr=False, default_factory=list)  # per device, its model chunks
     boundary_bytes: int = 0  # one activation sent between pipeline stages
     profile: DeviceProfile | None = field(repr=False, default=None)
-    # the micro-batch's 90 % interval over its estimate (kernel families' held-out errors), applied to the
-    # whole step: the collectives are taken as they are estimated; (1, 1) where the profile has none
+    # the micro-batch's 90 % interval over its estimate (kernel families' held-out errors; the step as
+    # captured, before recomputation), applied to the whole step: the collectives are taken as they are
+    # estimated; (1, 1) where the profile has none
     interval_ratio: tuple[float, float] = (1.0, 1.0)
 
     @property
@@ -128,17 +129,17 @@ def cluster_step(facts: ModelFacts, workload: Workload, model_workload: Workload
     """``workload``: the step as it runs (recomputation applied); ``model_workload``: as captured,
     for the model's FLOPs."""
     p = replace(p, stage=0)
-    forward, backward, comm, flops, layouts = [], [], [], [], []
+    forward, backward, comm, flops, layouts, unit_backward = [], [], [], [], [], []
     for d in range(p.pp):
-        chunks, with_dp = device_chunks(facts, workload, p, d, micro_batch, seq, dtype, grad_dtype)
-        captured_chunks = model_chunks(facts, split_once(facts, model_workload), p, d)
-        forward_passes = [_pass(c, FORWARD, p, device) for c in chunks]
-        backward_passes = [_pass(c, INPUT_GRAD, p, device) for c in chunks]
-        forward.append([ns for ns, _ in forward_passes])
-        backward.append([ns for ns, _ in backward_passes])
-        comm.append(_blocking_comm(forward_passes + backward_passes))
-        flops.append((_flops(captured_chunks), _flops(chunks)))
-        layouts.append((chunks, with_dp))
+        chunks, forward_ns, backward_ns, blocking, device_flops, backward_by_unit = _device_passes(
+            facts, workload, model_workload, p, d, micro_batch, seq, dtype, device)
+        unit_backward.append(backward_by_unit)
+        forward.append(list(forward_ns))
+        backward.append(list(backward_ns))
+        comm.append(blocking)
+        flops.append(device_flops)
+        mine = [u for chunk in chunks for u in chunk]
+        layouts.append((chunks, data_parallel_units(mine, p, DTYPES[grad_dtype].itemsize, DTYPES[dtype].itemsize)))
     zero3 = [(0.0, 0.0)] * p.pp  # per device: one forward and one backward pass's gather time
     zero3_exposed, zero3_trailing = [0.0] * p.pp, [0.0] * p.pp
     if p.zero == 3:  # gathers and reduce-scatters per FSDP unit on a stream beside the compute (zero3.py)
@@ -166,7 +167,7 @@ def cluster_step(facts: ModelFacts, workload: Workload, model_workload: Workload
             dp_end = pipeline_end + zero3_trailing[d]
             dp_spans = [("ZeRO 3 last reduce-scatter", pipeline_end, dp_end, 0)] if zero3_trailing[d] else []
         else:
-            dp_end, dp_spans = _data_parallel(layouts[d], mine, p, device)
+            dp_end, dp_spans = _data_parallel(layouts[d], mine, p, device, unit_backward[d])
             slowed[d] = _bucket_slowdown(dp_spans, mine, compute_share_lost(device.sm_count))
             pipeline_end += slowed[d]
             dp_end = max(dp_end, pipeline_end)
@@ -174,7 +175,7 @@ def cluster_step(facts: ModelFacts, workload: Workload, model_workload: Workload
         optimizer = _optimizer_ns(layouts[d][0], p, dtype, grad_dtype, device) + _fp8_weight_cast_ns(
             layouts[d][0], workload, device)
         gather = sum(comm_ns(c, p, device) for u in layouts[d][1] if u.block == "dp" for c in u.comms[WEIGHT_GRAD]
-                     if c.type == ALLGATHER and p.zero in (1, 2))
+                     if c.type == ALLGATHER) if p.zero in (1, 2) else 0.0
         compute = sum(x[4] - x[3] for x in mine)
         end = max(pipeline_end, dp_end) + optimizer + gather
         devices.append(DeviceSummary(device=d, compute_ns=compute, blocking_comm_ns=comm[d],
@@ -203,7 +204,37 @@ def cluster_step(facts: ModelFacts, workload: Workload, model_workload: Workload
                        peak_flops_per_s=device.matmul_flops_per_s[dtype], devices=devices, device_passes=passes,
                        data_parallel_spans=spans, device_units=[layout[1] for layout in layouts],
                        device_chunks=[layout[0] for layout in layouts], boundary_bytes=boundary, profile=device,
-                       interval_ratio=_interval_ratio(workload))
+                       interval_ratio=_interval_ratio(model_workload))
+
+
+# A layout search evaluates many layouts that differ only in what leaves a device's passes unchanged
+# (data-parallel degree, ZeRO stage, micro-batch count): their passes are computed once.
+_PASSES: dict[tuple, tuple] = {}
+MODEL_PARALLEL_FIELDS = ("pp", "vpp", "pp_layers", "tp", "sp", "cp", "cp_comm", "ep", "vocab_multiple")
+
+
+def _device_passes(facts, workload, model_workload, p: Parallel, d: int, micro_batch: int, seq: int, dtype: str,
+                   device: DeviceProfile) -> tuple:
+    """Device ``d``'s model chunks, one micro-batch's forward and backward pass per chunk, the blocking
+    collectives' time per group and (model, hardware) FLOPs: what depends on the model-parallel layout only."""
+    key = (id(workload), id(model_workload), id(device), d, micro_batch, seq, dtype,
+           *(getattr(p, name) for name in MODEL_PARALLEL_FIELDS))
+    held = _PASSES.get(key)
+    if held is not None and held[0] is workload and held[1] is model_workload and held[2] is device:
+        return held[3:]
+    chunks = model_parallel_chunks(facts, workload, p, d, micro_batch, seq, dtype)
+    captured_chunks = model_chunks(facts, split_once(facts, model_workload), p, d)
+    forward_passes = [_pass(c, FORWARD, p, device) for c in chunks]
+    backward_passes = [_pass(c, INPUT_GRAD, p, device) for c in chunks]
+    backward_by_unit = {id(u): sum(u.costs[ph][0] for ph in (INPUT_GRAD, WEIGHT_GRAD)) + sum(
+        exposed_comm_ns(u, x, INPUT_GRAD, p, device) for x in u.comms[INPUT_GRAD]) for c in chunks for u in c}
+    result = (chunks, tuple(ns for ns, _ in forward_passes), tuple(ns for ns, _ in backward_passes),
+              _blocking_comm(forward_passes + backward_passes), (_flops(captured_chunks), _flops(chunks)),
+              backward_by_unit)
+    if len(_PASSES) >= 4096:
+        _PASSES.clear()
+    _PASSES[key] = (workload, model_workload, device, *result)
+    return result
 
 
 def _interval_ratio(workload: Workload) -> tuple[float, float]:
@@ -248,9 +279,10 @@ def _flops(chunks: list[list[Unit]]) -> float:
     return sum(u.costs[ph][1] for units in chunks for u in units for ph in (FORWARD, INPUT_GRAD, WEIGHT_GRAD))
 
 
-def _data_parallel(layout, mine: list[tuple], p: Parallel, device: DeviceProfile):
+def _data_parallel(layout, mine: list[tuple], p: Parallel, device: DeviceProfile, backward_by_unit: dict):
     """Each bucket starts once the last backward of its chunk has passed the unit that completes it (or,
-    without overlap, once the step's last backward has ended)."""
+    without overlap, once the step's last backward has ended). ``backward_by_unit``: each unit's backward
+    time with its blocking collectives."""
     chunks, with_dp = layout
     chunk_of = {id(u): c for c, units in enumerate(chunks) for u in units}
     done = {}
@@ -261,8 +293,7 @@ def _data_parallel(layout, mine: list[tuple], p: Parallel, device: DeviceProfile
     for unit in reversed(with_dp):
         if unit.block != "dp":
             c = chunk_of.get(id(unit), 0)
-            done[c] += sum(unit.costs[ph][0] for ph in (INPUT_GRAD, WEIGHT_GRAD)) + sum(
-                exposed_comm_ns(unit, x, INPUT_GRAD, p, device) for x in unit.comms[INPUT_GRAD])
+            done[c] += backward_by_unit[id(unit)]
             ready = done[c] if p.overlap_grad_reduce else mine[-1][4]
             continue
         for c in unit.comms[WEIGHT_GRAD]:
@@ -277,17 +308,40 @@ def _data_parallel(layout, mine: list[tuple], p: Parallel, device: DeviceProfile
 def _bucket_slowdown(spans: list[tuple], mine: list[tuple], share_lost: float) -> float:
     """Compute lost while gradient buckets run beside backward passes: the SM share NCCL's kernels
     hold (zero3.py), over the time a bucket and a backward pass overlap (the stream model of ZeRO 3,
-    applied to DDP's and ZeRO 1/2's buckets)."""
+    applied to DDP's and ZeRO 1/2's buckets). Both lists are in time order and do not overlap
+    among themselves: one sweep."""
     passes = [(start, end) for kind, _, _, start, end in mine if kind == BACKWARD]
-    overlap = sum(max(0.0, min(end, b_end) - max(start, b_start))
-                  for _, start, end, _ in spans for b_start, b_end in passes)
+    overlap, first = 0.0, 0
+    for _, start, end, _ in spans:
+        while first < len(passes) and passes[first][1] <= start:
+            first += 1
+        for b_start, b_end in passes[first:]:
+            if b_start >= end:
+                break
+            overlap += min(end, b_end) - max(start, b_start)
     return share_lost * overlap
+
+
+_ZERO3: dict[tuple, tuple] = {}
 
 
 def _zero3_groups(units: list[Unit], phase: str, p: Parallel, device: DeviceProfile, param_itemsize: int,
                   grad_itemsize: int) -> list[Group]:
     """A chunk's FSDP units (decoder layers; the embedding and the head each one) in the order the pass
-    runs them: compute with its blocking collectives, parameter gather, gradient reduce-scatter."""
+    runs them: compute with its blocking collectives, parameter gather, gradient reduce-scatter (the same
+    chunk's groups computed once per group shape in a layout search)."""
+    key = (id(units), phase, p.replicas, p.dp // p.ep, p.ep, p.tp, p.cp, p.cp_comm, p.sp, p.reshard_after_forward,
+           param_itemsize, grad_itemsize, id(device))
+    held = _ZERO3.get(key)
+    if held is None or held[0] is not units or held[1] is not device:
+        if len(_ZERO3) >= 4096:
+            _ZERO3.clear()
+        held = _ZERO3[key] = (units, device, _zero3_groups_of(units, phase, p, device, param_itemsize, grad_itemsize))
+    return held[2]
+
+
+def _zero3_groups_of(units: list[Unit], phase: str, p: Parallel, device: DeviceProfile, param_itemsize: int,
+                     grad_itemsize: int) -> list[Group]:
     layers: dict = {}
     for u in units:
         layers.setdefault(u.layer if u.layer is not None else u.name, []).append(u)

@@ -10,6 +10,8 @@ counted at its broadcast size).
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 # Ops whose schema is not marked as a view but that alias their input or launch no kernel.
@@ -25,7 +27,8 @@ def is_alias(target) -> bool:
 
 def tensor_bytes(tree) -> int:
     leaves = torch.utils._pytree.tree_leaves(tree)
-    return sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor))
+    # the shape's product, not numel(): a fake tensor's numel() dispatches (tens of µs each, per op of a capture)
+    return sum(math.prod(t.shape) * t.dtype.itemsize for t in leaves if isinstance(t, torch.Tensor))
 
 
 # op name -> index of the argument rows are gathered from

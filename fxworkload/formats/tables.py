@@ -324,31 +324,6 @@ def _recompute_text(p: dict) -> str:
     return text[p["recompute"]] + layers
 
 
-def plan_text(result: dict, top: int = 10) -> str:
-    """The layouts that fit, fastest first, and why the others were dropped."""
-    ranked = result["ranked"] if top <= 0 else result["ranked"][:top]
-    rows = [[i + 1, r["tp"], r["pp"], r["vpp"], r["dp"], r["ep"], "on" if r["sp"] else "off", r["zero"], r["recompute"],
-             r["micro_batch"], r["micro_batches"], f"{r['step_ms']:.1f}", f"{100 * r['mfu']:.1f}%",
-             f"{r['tflops_per_gpu']:.0f}", f"{r['tokens_per_s_per_gpu']:,.0f}", f"{100 * r['bubble']:.1f}%",
-             f"{r['exposed_gather_ms']:.1f}" if r["zero"] == 3 else "-",
-             f"{r['peak_bytes'] / 2 ** 30:.1f}", "~" if r.get("overlaps_best") else ""] for i, r in enumerate(ranked)]
-    head = (f"{result['model']} on {result['gpus']} x {result['device']}, global batch {result['global_batch']} x seq "
-            f"{result['seq']}, {result['dtype']}, stack {result['stack']}: {result['evaluated']:,} layouts evaluated from {result['shapes']} "
-            f"captured rank shapes, {len(result['ranked']):,} fit")
-    dropped = "\n".join(f"dropped: {count:,} {why}" for why, count in result["dropped"].items() if count)
-    close = sum(1 for r in result["ranked"] if r.get("overlaps_best"))
-    if result["ranked"] and close > 1:
-        best = result["ranked"][0]
-        dropped = (f"~best: {close - 1:,} more layouts' 90 % intervals overlap the best's "
-                   f"({best['step_low_ms']:.0f}-{best['step_high_ms']:.0f} ms): the estimates cannot order them\n"
-                   + dropped)
-    table = tabulate(rows, headers=["#", "tp", "pp", "vpp", "dp", "ep", "sp", "zero", "recompute", "mbs", "mb",
-                                    "step_ms", "mfu", "tflops", "tok/s/gpu", "bubble", "zero3_gather_ms", "peak_gib",
-                                    "~best"],
-                     tablefmt="simple")
-    return "\n\n".join([head, table if rows else "no layout fits in memory", dropped]) + "\n"
-
-
 def _ranges(ranges: list[range]) -> str:
     """Layer ranges as "0-5" or, for interleaved chunks, "0-2, 12-14"."""
     return ", ".join(f"{r.start}-{r.stop - 1}" if len(r) > 1 else f"{r.start}" for r in ranges if len(r))

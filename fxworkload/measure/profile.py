@@ -30,7 +30,8 @@ from .. import __version__
 from ..capture import models
 from ..capture.models import step_seq
 from ..capture.trace import capture_training_step
-from ..dtypes import DTYPES, check_settings
+from ..dtypes import DTYPES
+from ..limits import check_settings
 from ..errors import UserError
 from ..progress import heartbeat
 from ..cost.flops import register_transformers_ops

@@ -82,11 +82,12 @@ def data_parallel_units(units: list[Unit], p: Parallel, grad_itemsize: int, para
     """The stage's units with its data-parallel rows inserted: a gradient bucket's row sits just before
     the unit whose backward completes the bucket, so the simulator issues it there."""
     grads = [g for u in units for g in u.grads]
-    key = (tuple(map(id, grads)), tuple(len(u.grads) for u in units), p.replicas, p.ep, p.zero, p.bucket_mb,
-           grad_itemsize, param_itemsize)
+    # the rows name their group, not its size: layouts that differ only in dp share them
+    key = (tuple(map(id, grads)), tuple(len(u.grads) for u in units), p.replicas > 1, p.dp // p.ep > 1, p.ep > 1,
+           p.zero, p.bucket_mb, grad_itemsize, param_itemsize)
     held = _DP_ROWS.get(key)
     if held is None:
-        if len(_DP_ROWS) >= 64:
+        if len(_DP_ROWS) >= 1024:
             _DP_ROWS.clear()
         held = _DP_ROWS[key] = (grads, *_data_parallel_rows(units, p, grad_itemsize, param_itemsize))
     _, top, before = held
@@ -148,6 +149,4 @@ def _buckets(grads: list, bucket_mb: float) -> list[list]:
 
 
 def _dp_row(name: str, comm: Comm) -> Unit:
-    unit = Unit(name=name, block="dp")
-    unit.comms[WEIGHT_GRAD].append(comm)
-    return unit
+    return Unit(name=name, block="dp", comms={FORWARD: [], INPUT_GRAD: [], WEIGHT_GRAD: [comm]})

@@ -8,9 +8,10 @@ collectives and tied gradients to the copies.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, replace
 
-from ..capture.trace import FORWARD, INPUT_GRAD, PHASES, WEIGHT_GRAD
+from ..capture.trace import FORWARD, INPUT_GRAD, WEIGHT_GRAD
 from ..dtypes import DTYPES
 from ..workload.table import Workload
 from .collectives import add_model_parallel, data_parallel_units, stage_units
@@ -48,6 +49,15 @@ def device_chunks(facts: ModelFacts, workload: Workload, p: Parallel, device: in
                   dtype: str, grad_dtype: str) -> tuple[list[list[Unit]], list[Unit]]:
     """Device ``device``'s model chunks (units, collectives attached) and its units in forward order
     with the data-parallel rows inserted where DDP issues them."""
+    chunks = model_parallel_chunks(facts, workload, p, device, micro_batch, seq, dtype)
+    mine = [u for chunk in chunks for u in chunk]
+    return chunks, data_parallel_units(mine, p, DTYPES[grad_dtype].itemsize, DTYPES[dtype].itemsize)
+
+
+def model_parallel_chunks(facts: ModelFacts, workload: Workload, p: Parallel, device: int, micro_batch: int,
+                          seq: int, dtype: str) -> list[list[Unit]]:
+    """Device ``device``'s model chunks with their tensor-, context- and expert-parallel collectives:
+    what the data-parallel degree, ZeRO and the micro-batch count leave unchanged."""
     units = split_once(facts, workload)
     chunks = [[_fresh(u) for u in chunk] for chunk in model_chunks(facts, units, p, device)]
     mine = [u for chunk in chunks for u in chunk]
@@ -56,7 +66,7 @@ def device_chunks(facts: ModelFacts, workload: Workload, p: Parallel, device: in
     act_itemsize = DTYPES[dtype].itemsize
     add_model_parallel(mine, p, micro_batch, seq, facts.hidden, act_itemsize, facts.top_k,
                        kv_bytes(micro_batch, seq, facts.kv_heads or facts.heads, facts.head_dim, p.tp, act_itemsize))
-    return chunks, data_parallel_units(mine, p, DTYPES[grad_dtype].itemsize, act_itemsize)
+    return chunks
 
 
 def model_chunks(facts: ModelFacts, units: list[Unit], p: Parallel, device: int) -> list[list[Unit]]:
@@ -74,7 +84,7 @@ def split_once(facts: ModelFacts, workload: Workload) -> list[Unit]:
     """The workload's units with their summed costs, split once per table."""
     held = _SPLIT.get(id(workload))
     if held is None or held[0] is not workload:
-        if len(_SPLIT) >= 8:
+        if len(_SPLIT) >= 64:
             _SPLIT.clear()
         units = split(workload, facts.stack, list(facts.row_parallel))
         for u in units:
@@ -86,7 +96,10 @@ def split_once(facts: ModelFacts, workload: Workload) -> list[Unit]:
 
 def _fresh(unit: Unit) -> Unit:
     """A copy a layout may attach its collectives and tied gradients to."""
-    return replace(unit, grads=list(unit.grads), comms={ph: [] for ph in PHASES})
+    fresh = copy.copy(unit)  # not dataclasses.replace: a layout search makes thousands of these
+    fresh.grads = list(unit.grads)
+    fresh.comms = {FORWARD: [], INPUT_GRAD: [], WEIGHT_GRAD: []}
+    return fresh
 
 
 def keep_tied_copy(embedding_path: str, units: list[Unit], mine: list[Unit]) -> None:

@@ -65,8 +65,12 @@ def with_recompute(workload: Workload, parallel: Parallel, stack: str | None, la
             continue
         recomputed = {"full": True, "selective": row.forward.sdpa_backend is not None,
                       "op": id(row) in again_op}[parallel.recompute]
-        saved = {"selective": row.selective_saved_bytes, "op": 0 if recomputed else _output_bytes(row.forward)
-                 }.get(parallel.recompute, 0)
+        if parallel.recompute == "selective":
+            saved = row.selective_saved_bytes
+        elif parallel.recompute == "op":
+            saved = 0 if recomputed else _output_bytes(row.forward)
+        else:
+            saved = 0
         if parallel.recompute in ("full", "op") and layer not in seen_layers:
             saved += layer_input_bytes  # the layer's first row carries its kept input
             seen_layers.add(layer)

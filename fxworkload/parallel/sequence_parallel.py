@@ -13,6 +13,7 @@ module (or the start of a layer) until the next GEMM.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 
 from ..workload.layers import layer_of
@@ -65,4 +66,12 @@ def _splits_after(previous: NodeRow, row: NodeRow, stack: str | None, row_parall
 
 
 def _within(module: str, paths: tuple[str, ...]) -> bool:
-    return any(module == path or module.startswith(path + ".") for path in paths)
+    """Whether ``module`` is one of ``paths`` or inside one: any of its dotted prefixes is a path."""
+    held = _path_set(paths)
+    parts = module.split(".")
+    return any(".".join(parts[:i]) in held for i in range(1, len(parts) + 1))
+
+
+@functools.lru_cache(maxsize=8)
+def _path_set(paths: tuple[str, ...]) -> frozenset[str]:
+    return frozenset(paths)

@@ -9,18 +9,15 @@ written by this package into the user's own cache folder.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import os
 import pickle
+from dataclasses import dataclass
 from pathlib import Path
 
-from dataclasses import dataclass
-from importlib import metadata
-
-from .. import __version__
 from ..cost.devices import cache_dir
+from ..fingerprint import versions
 from .table import Workload
 
 
@@ -40,20 +37,9 @@ def key(config: dict, batch: int, seq: int | None, dtype: str, grad_dtype: str, 
     ``shards``: the tensor- and expert-parallel degrees the traced model was split by."""
     material = json.dumps({"config": config, "batch": batch, "seq": seq, "dtype": dtype,
                            "grad_dtype": grad_dtype, "trace_device": trace_device, "shards": list(shards),
-                           "vocab_multiple": vocab_multiple, "every_layer": every_layer, "stack": stack,
-                           "fxworkload": __version__, "torch": metadata.version("torch"),
-                           "transformers": metadata.version("transformers"), "code": _code_hash()},
-                          sort_keys=True, default=str)
+                           "vocab_multiple": vocab_multiple, "every_layer": every_layer, "stack": stack}
+                          | versions(), sort_keys=True, default=str)
     return hashlib.sha256(material.encode()).hexdigest()[:32]
-
-
-@functools.cache
-def _code_hash() -> str:
-    digest = hashlib.sha256()
-    package = Path(__file__).resolve().parents[1]
-    for source in sorted(package.rglob("*.py")):
-        digest.update(source.relative_to(package).as_posix().encode() + source.read_bytes())
-    return digest.hexdigest()
 
 
 def path_of(cache_key: str) -> Path:

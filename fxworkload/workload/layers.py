@@ -27,7 +27,7 @@ from ..capture.attention import GpuTarget
 from ..capture.trace import capture_training_step
 from .table import GradRow, Workload, build
 
-SHORT_LAYERS = (4, 5)
+SHORT_LAYERS = (3, 4)
 _SKIPPED_ATTRIBUTES = re.compile(r"layer_idx|layer_id|layer_number|layer_index|training")
 
 

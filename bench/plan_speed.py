@@ -1,0 +1,83 @@
+"""How fast ``plan`` searches: wall time and layouts per second, with an empty cache and warm.
+
+Two plans (issue 29's): Llama 3 70B on 1,024 H100s (global batch 1,024 x 4,096 tokens), and Llama 3
+405B on 16,384 H100s at 131,072 tokens with context parallelism (1 to 16) and FP8 in the space
+(global batch 128 sequences, 16M tokens, as the Llama 3 paper's long-context stage). Each runs once
+with an empty cache (a fresh FXWORKLOAD_CACHE_DIR: every shape captured) and once more warm (the
+same command: captures, facts and evaluated rows read from the cache). Measure on an idle machine:
+the process pool uses every core.
+
+    .venv/bin/python bench/plan_speed.py
+    .venv/bin/python bench/plan_speed.py --only 70b
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from tabulate import tabulate
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from published import LLAMA_405B  # noqa: E402
+
+
+def plans(root: Path) -> dict[str, list[str]]:
+    from transformers import LlamaConfig
+
+    folder = root / "llama-3-405b"
+    LlamaConfig(**{k: v for k, v in LLAMA_405B.items() if k != "model_type"}).save_pretrained(folder)
+    return {"70b": ["llama-3-70b", "--gpus", "1024", "--global-batch", "1024", "--seq", "4096", "--device", "h100-sxm"],
+            "405b-cp-fp8": [str(folder), "--gpus", "16384", "--global-batch", "128", "--seq", "131072",
+                            "--device", "h100-sxm", "--cp", "1,2,4,8,16", "--fp8", "--stack", "fused"]}
+
+
+def timed(args: list[str], cache: Path, out: Path) -> float:
+    env = os.environ | {"FXWORKLOAD_CACHE_DIR": str(cache)}
+    started = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "fxworkload", "plan", *args, "--out", str(out)], env=env, check=True,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return time.perf_counter() - started
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", default=None, help="70b or 405b-cp-fp8")
+    wanted = parser.parse_args().only
+    root = Path(tempfile.mkdtemp(prefix="fxworkload-plan-speed-"))
+    rows = []
+    for name, args in plans(root).items():
+        if wanted and name != wanted:
+            continue
+        cache, out = root / f"cache-{name}", root / f"out-{name}"
+        cold = timed(args, cache, out)
+        warm = timed(args, cache, root / f"out-{name}-warm")
+        result = json.loads((out / "plan.json").read_text())
+        same = (out / "plan.json").read_bytes() == (root / f"out-{name}-warm" / "plan.json").read_bytes()
+        best = result["ranked"][0] if result["ranked"] else None
+        rows.append([name, result["evaluated"], result["shapes"], f"{cold:.1f}", f"{result['evaluated'] / cold:,.0f}",
+                     f"{warm:.2f}", f"{result['evaluated'] / warm:,.0f}", "yes" if same else "NO",
+                     _describe(best)])
+        print(" | ".join(map(str, rows[-1])), file=sys.stderr, flush=True)
+    print(tabulate(rows, headers=["plan", "layouts", "shapes", "cold_s", "cold_layouts_per_s", "warm_s",
+                                  "warm_layouts_per_s", "warm_identical", "best"], tablefmt="github"))
+    print(f"\n{os.cpu_count()} cores")
+
+
+def _describe(row: dict | None) -> str:
+    if row is None:
+        return "none fits"
+    return (f"tp{row['tp']} cp{row['cp']} pp{row['pp']} vpp{row['vpp']} dp{row['dp']} zero{row['zero']} "
+            f"{row['recompute']} mbs{row['micro_batch']}: {row['step_ms'] / 1e3:.2f} s, {row['tflops_per_gpu']:.0f} "
+            f"TFLOP/s/GPU, {row['peak_bytes'] / 2 ** 30:.0f} GiB")
+
+
+if __name__ == "__main__":
+    main()
