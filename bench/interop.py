@@ -60,6 +60,9 @@ LAYOUTS = {
     "llama-8b-tp8": ("llama-3-8b", 8192, 1, "bf16", Parallel(tp=8, sp=True, micro_batches=4)),
     "mixtral-ep2": ("mixtral-8x7b", 4096, 1, "bf16", Parallel(tp=2, pp=2, dp=2, ep=2, sp=True, micro_batches=4,
                                                              zero=1)),
+    "llama-8b-cp-ring": ("llama-3-8b", 16384, 1, "bf16", Parallel(tp=2, cp=2, pp=2, sp=True, micro_batches=4, zero=1)),
+    "llama-8b-cp-allgather": ("llama-3-8b", 16384, 1, "bf16", Parallel(tp=2, cp=4, sp=True, micro_batches=2,
+                                                                        cp_comm="allgather")),
 }
 
 
@@ -104,7 +107,7 @@ def run_layout(name: str, folder: Path, simai_run: str, astra_run: str) -> dict:
                                                   parallel=replace(parallel, stage=stage))
         path = folder / f"stage{stage}.simai.txt"
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(simai.text(simai.from_rank(result.rank)))
+        path.write_text(simai.text(simai.from_rank(result.rank, result.device)))
         comp_us, total_us = run_simai(simai_run, path, parallel.world)
         ours_us = parallel.micro_batches * sum(u.ns(ph) for u in result.rank.units for ph in PHASES) / 1e3
         compute_errors.append((comp_us / ours_us - 1, ours_us, comp_us))

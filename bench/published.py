@@ -10,7 +10,8 @@
   80GB, tensor parallelism 8; their MFU counts eq. 3 without the recomputed forward
   (72·B·s·l·h²(1 + s/6h + V/12lh)); here, as TFLOP/s per GPU of that count over their time.
 - The Llama 3 paper (Dubey et al. 2024), Table 4: Llama 3 405B (126 layers, hidden 16,384, 128
-  heads, 8 KV heads, FFN 53,248, vocabulary 128,256) on H100 80GB, bf16: seq 8,192 on 8,192 and
+  heads, 8 KV heads, FFN 53,248, vocabulary 128,256; positions up to 131,072 as Llama 3.1's config) on
+  H100 80GB, bf16: seq 8,192 on 8,192 and
   16,384 GPUs, and seq 131,072 with context parallelism 16 (TP8 CP16 PP16 DP8, 16 sequences per
   DP rank), whose CP all-gathers keys and values (its section 3.3.2). The paper reports MFU and
   TFLOP/s per GPU but not its FLOP count; here, as FlashAttention's benchmarks count a causal
@@ -79,7 +80,7 @@ MEGATRON = {
 KORTHIKANTI = {"22B": (64, 6144, 48, 8, 1, 8, 4, 4, 1.10), "175B": (96, 12288, 96, 8, 8, 64, 64, 1, 13.75),
                "530B": (128, 20480, 105, 8, 35, 280, 280, 1, 37.83), "1T": (160, 25600, 128, 8, 64, 512, 512, 1, 71.49)}
 LLAMA_405B = dict(model_type="llama", hidden_size=16384, intermediate_size=53248, num_hidden_layers=126,
-                  num_attention_heads=128, num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192,
+                  num_attention_heads=128, num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072,
                   rope_theta=500000.0, rms_norm_eps=1e-5, architectures=["LlamaForCausalLM"])
 # Megatron-Bridge "Performance" page, 25.11 NeMo container, pre-training with FP8 current scaling
 # (FP8-CS), DDP, seq 8192, micro-batch 1; tokens/s per GPU.
