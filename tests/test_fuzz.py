@@ -190,9 +190,10 @@ def _extract_args(world) -> st.SearchStrategy[list[str]]:
         "--pp-layers": _value(["1,1", "2,0", "1"]), "--stage": _value(["0", "1"]),
         "--vocab-multiple": _value(["1", "8", "64"]), "--name": _value(["run", "a.b_c-d"]),
         "--recompute": _value(["none", "selective", "op", "full"]), "--recompute-layers": _value(["1", "2"]),
-        "--stack": _value(["eager", "fused", "compiled"]),
+        "--stack": _value(["eager", "fused", "compiled"]), "--cp": _value(["1", "2", "4", "0"]),
+        "--cp-comm": _value(["p2p", "allgather", "ring"]),
     }
-    flags = ["--sp", "--every-layer", "--no-cache", "--keep-gathered", "--grad-reduce-after-backward"]
+    flags = ["--sp", "--every-layer", "--no-cache", "--keep-gathered", "--grad-reduce-after-backward", "--fp8"]
     chosen = st.dictionaries(st.sampled_from(sorted(options)), st.just(None), max_size=6).flatmap(
         lambda keys: st.fixed_dictionaries({k: options[k] for k in keys}))
     model = st.one_of(st.sampled_from(["gpt2", "llama", "mixtral"]), st.sampled_from(sorted(world["models"])))
@@ -227,10 +228,12 @@ def _argv(world) -> st.SearchStrategy[list[str]]:
             lambda t: ["calibrate", "--kernels", ("kernels", t[0]), "--like", t[1], "--name", "fz-kernels"]),
         st.tuples(st.sampled_from([world["models"][k] for k in ("llama", "llama", "gpt2", "mixtral", "binary")]),
                   _value(["1", "2", "4", "8"]), _value(["1", "2", "8", "16"]), _value(["16", "8"]),
-                  _value(["1"]), _value(["bf16", "fp32"]), _value(["h100-sxm", "a100-80gb", "fuzz-gpu"]),
-                  _value(["3", "0"])).map(
+                  _value(["1"]), _value(["bf16", "fp32"]),
+                  _value(["h100-sxm", "a100-80gb", "fuzz-gpu", "h100-sxm,b200", "mi300x,", ","]),
+                  _value(["3", "0"]), st.sampled_from([[], ["--cp", "1,2"], ["--cp", "0"], ["--cp", "x"], ["--fp8"],
+                                                       ["--fp8", "--cp", "2"]])).map(
             lambda t: ["plan", t[0], "--gpus", t[1], "--global-batch", t[2], "--seq", t[3], "--workers", t[4],
-                       "--dtype", t[5], "--device", t[6], "--top", t[7]]),
+                       "--dtype", t[5], "--device", t[6], "--top", t[7], *t[8]]),
         st.just(["models"]), st.just(["devices"]),
         st.lists(st.sampled_from(["extract", "--out", "x", "-h2", "--nope", "models", "é", ""]), max_size=4),
     )
