@@ -153,11 +153,20 @@ class Extraction:
                                   self.settings["parallel"]["tp"])
 
 
+@dataclass(frozen=True)
+class CostedStep:
+    """One micro-batch's step of a rank shape, captured and costed, before any layout's own choices."""
+    facts: ModelFacts
+    workload: Workload  # as captured (the rank's share: tp, ep, cp, sp; fp8), costed on ``device``
+    device: DeviceProfile
+    seq_per_rank: int
+
+
 def extract(model: str, batch: int = 1, seq: int | None = None, dtype: str = "fp32",
             grad_dtype: str | None = None, device: str = "a100-80gb", size_unit: str = "bytes",
             trace_on: str = "auto", use_cache: bool = True, every_layer: bool = False,
             progress: bool = False, parallel: Parallel | None = None, name: str | None = None,
-            stack: str = "eager", fp8: bool = False) -> Extraction:
+            stack: str = "eager", fp8: bool = False, rank_view: bool = True) -> Extraction:
     """One training step of ``model`` (a built-in name, checkpoint folder, config.json or cached
     HuggingFace id), costed on ``device``; ``name`` replaces the model's name in the outputs.
     ``trace_on`` is whose dispatch the graph follows: ``auto`` (the device profile's: a GPU profile
@@ -165,7 +174,9 @@ def extract(model: str, batch: int = 1, seq: int | None = None, dtype: str = "fp
     ``every_layer`` traces all layers even where one layer could stand for all (see layers.py);
     ``batch`` is the micro-batch of one rank; with tp or ep > 1 the rank's share of the model is traced;
     ``stack`` the execution stack whose kernels and saved activations are costed (workload/stacks.py);
-    ``fp8``: the decoder layers' linear GEMMs in FP8 as Transformer Engine runs them (workload/fp8.py)."""
+    ``fp8``: the decoder layers' linear GEMMs in FP8 as Transformer Engine runs them (workload/fp8.py).
+    ``rank_view=False`` stops at the costed step (a ``CostedStep``: what a layout search evaluates
+    its layouts from), without the rank's units and memory for ``parallel``."""
     grad_dtype = dtype if grad_dtype is None else grad_dtype
     parallel = parallel or Parallel()
     check_settings(batch, seq, dtype, grad_dtype)
@@ -210,6 +221,8 @@ def extract(model: str, batch: int = 1, seq: int | None = None, dtype: str = "fp
                                profile.kernel_launch_ns), parallel)
     if fp8:
         workload = captured = with_fp8(workload, profile, facts.stack)
+    if not rank_view:
+        return CostedStep(facts=facts, workload=captured, device=profile, seq_per_rank=seq)
     captured_saved_bytes = workload.saved_bytes
     layer_input_bytes = batch * seq * facts.hidden * DTYPES[dtype].itemsize // (parallel.tp if parallel.sp else 1)
     workload, regenerated_bytes = with_recompute(workload, parallel, facts.stack, facts.layers, layer_input_bytes)

@@ -130,12 +130,11 @@ def evaluate_shape(model: str, shape: Shape, layouts: list, seq: int, dtype: str
 
     first = layouts[0]
     grad_dtype = grad_dtype or dtype
-    base = extract(model, batch=shape.micro_batch, seq=seq, dtype=dtype, grad_dtype=grad_dtype, device=device, stack=stack,
-                   fp8=fp8,
+    base = extract(model, batch=shape.micro_batch, seq=seq, dtype=dtype, grad_dtype=grad_dtype, device=device,
+                   stack=stack, fp8=fp8, rank_view=False,
                    parallel=replace(first, pp=1, vpp=1, pp_layers=None, micro_batches=1, zero=0, recompute="none",
                                     recompute_layers=None))
-    facts, captured, profile = base.facts, base.model_workload, base.device
-    seq = base.settings["seq_per_rank"]
+    facts, captured, profile, seq = base.facts, base.workload, base.device, base.seq_per_rank
     saved_bytes = captured.saved_bytes
     recomputed, steps = {}, {}
     rows = []

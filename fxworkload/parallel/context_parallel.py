@@ -55,10 +55,14 @@ def with_context_parallel(workload: Workload, parallel: Parallel) -> Workload:
             scaled[id(op)] = replace(op, flops=op.flops * cp, bytes=op.bytes * cp, estimated_ns=op.estimated_ns * cp)
         return scaled[id(op)]
 
-    rows = [replace(row, forward=widened(row.forward), input_grad=[widened(op) for op in row.input_grad],
-                    weight_grad=[widened(op) for op in row.weight_grad]) if isinstance(row, NodeRow) else row
+    rows = [row.with_ops(widened(row.forward), [widened(op) for op in row.input_grad],
+                         [widened(op) for op in row.weight_grad]) if _has_core(row) else row
             for row in workload.rows]
     return replace(workload, rows=rows)
+
+
+def _has_core(row) -> bool:
+    return isinstance(row, NodeRow) and any(is_core(op) for op in (row.forward, *row.input_grad, *row.weight_grad))
 
 
 def kv_bytes(micro_batch: int, seq_per_rank: int, kv_heads: int, head_dim: int, tp: int, itemsize: int) -> int:

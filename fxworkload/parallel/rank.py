@@ -88,8 +88,11 @@ def split_once(facts: ModelFacts, workload: Workload) -> list[Unit]:
             _SPLIT.clear()
         units = split(workload, facts.stack, list(facts.row_parallel))
         for u in units:
-            u.costs = {ph: (u.ns(ph), u.flops(ph)) for ph in (FORWARD, INPUT_GRAD, WEIGHT_GRAD)}
-            u.core_ns = {ph: u.attention_core_ns(ph) for ph in (FORWARD, INPUT_GRAD, WEIGHT_GRAD)}
+            u.costs, u.core_ns = {}, {}
+            for ph in (FORWARD, INPUT_GRAD, WEIGHT_GRAD):
+                ops = u.ops(ph)
+                u.costs[ph] = (sum(op.estimated_ns for op in ops), sum(op.flops for op in ops))
+                u.core_ns[ph] = sum(op.estimated_ns for op in ops if op.sdpa_backend)
         held = _SPLIT[id(workload)] = (workload, units)
     return held[1]
 

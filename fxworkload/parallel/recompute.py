@@ -76,7 +76,7 @@ def with_recompute(workload: Workload, parallel: Parallel, stack: str | None, la
             seen_layers.add(layer)
         dropped[layer] = dropped.get(layer, 0) + row.saved_bytes - saved
         again_first = [again(row.forward)] if recomputed else []
-        rows.append(replace(row, input_grad=again_first + row.input_grad, saved_bytes=saved))
+        rows.append(row.with_ops(row.forward, again_first + row.input_grad, row.weight_grad, saved_bytes=saved))
     return replace(workload, rows=rows), max(dropped.values(), default=0)
 
 

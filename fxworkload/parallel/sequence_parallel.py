@@ -65,13 +65,9 @@ def _splits_after(previous: NodeRow, row: NodeRow, stack: str | None, row_parall
     return _within(previous.module, row_parallel) and not _within(row.module, row_parallel)
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def _within(module: str, paths: tuple[str, ...]) -> bool:
     """Whether ``module`` is one of ``paths`` or inside one: any of its dotted prefixes is a path."""
-    held = _path_set(paths)
+    held = frozenset(paths)
     parts = module.split(".")
     return any(".".join(parts[:i]) in held for i in range(1, len(parts) + 1))
-
-
-@functools.lru_cache(maxsize=8)
-def _path_set(paths: tuple[str, ...]) -> frozenset[str]:
-    return frozenset(paths)

@@ -17,6 +17,7 @@ caller traces every layer.
 from __future__ import annotations
 
 import copy
+import functools
 import re
 from dataclasses import replace
 from collections.abc import Callable
@@ -121,6 +122,7 @@ def _short_config(config, layers: int):
     return short
 
 
+@functools.lru_cache(maxsize=1 << 16)  # a layout search asks it of the same few thousand paths millions of times
 def layer_of(module: str, stack: str | None) -> int | None:
     """The index of the decoder layer a module path lies in, or None outside the layers."""
     if not stack or not module.startswith(stack + "."):

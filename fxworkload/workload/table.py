@@ -61,6 +61,14 @@ class NodeRow:
     saved_bytes: int = 0  # of the storages this node creates, those backward reads (held forward to backward)
     selective_saved_bytes: int = 0  # the same when its layer's attention core is recomputed (--recompute selective)
 
+    def with_ops(self, forward: OpCost, input_grad: list[OpCost], weight_grad: list[OpCost],
+                 saved_bytes: int | None = None, selective_saved_bytes: int | None = None) -> NodeRow:
+        """This row with other ops (and saved bytes): ``dataclasses.replace`` without its per-call field
+        walk, which the table transforms of a layout search pay a million times."""
+        return NodeRow(self.name, self.module, forward, input_grad, weight_grad,
+                       self.saved_bytes if saved_bytes is None else saved_bytes,
+                       self.selective_saved_bytes if selective_saved_bytes is None else selective_saved_bytes)
+
     def ops(self, phase: str) -> list[OpCost]:
         """This row's ops of one phase: its forward op, or the backward ops autograd ran for it."""
         if phase == FORWARD:
@@ -227,9 +235,9 @@ def recost(workload: Workload, device: DeviceProfile) -> Workload:
             costed[id(op)] = timed(op, device)
         return costed[id(op)]
 
-    rows = [row if isinstance(row, GradRow) else replace(
-        row, forward=cost(row.forward), input_grad=[cost(op) for op in row.input_grad],
-        weight_grad=[cost(op) for op in row.weight_grad]) for row in workload.rows]
+    rows = [row if isinstance(row, GradRow) else row.with_ops(
+        cost(row.forward), [cost(op) for op in row.input_grad], [cost(op) for op in row.weight_grad])
+        for row in workload.rows]
     return replace(workload, rows=rows, error_intervals=device.error_intervals() if device.sm_count else {})
 
 
