@@ -67,3 +67,11 @@ def test_backward_keeps_each_linear_input_in_fp8_once(steps):
     bf16, fp8 = steps
     tokens = 2 * 32
     assert bf16.workload.saved_bytes - fp8.workload.saved_bytes == LAYERS * tokens * (HIDDEN + 64 + HIDDEN + FFN)
+
+
+def test_zero3_holds_the_fp8_copies_of_its_shard_only(tiny_dirs):
+    from fxworkload.parallel.layout import Parallel
+
+    sharded = extract(str(tiny_dirs["llama"]), batch=2, seq=32, dtype="bf16", device="h100-sxm", fp8=True,
+                      parallel=Parallel(dp=2, zero=3))
+    assert sharded.memory.fp8_weights_bytes == 2 * LINEAR_WEIGHTS // 2
