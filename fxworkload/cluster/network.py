@@ -41,8 +41,18 @@ STEPS = {"ALLREDUCE": lambda n: 2 * (n - 1), "ALLGATHER": lambda n: n - 1, "REDU
 
 def group_layout(group: str, p: Parallel, gpus_per_node: int) -> tuple[int, int]:
     """(ranks, nodes) of a tensor-, expert- or data-parallel group under Megatron's rank order."""
-    ranks, stride = {"tp": (p.tp, 1), "cp": (p.cp, p.tp), "ep": (p.ep, p.tp * p.cp), "dp": (p.replicas, p.tp),
-                     "dp_ep": (p.dp // p.ep, p.tp * p.cp * p.ep)}[group]
+    if group == "tp":
+        ranks, stride = p.tp, 1
+    elif group == "dp":
+        ranks, stride = p.replicas, p.tp
+    elif group == "cp":
+        ranks, stride = p.cp, p.tp
+    elif group == "ep":
+        ranks, stride = p.ep, p.tp * p.cp
+    elif group == "dp_ep":
+        ranks, stride = p.dp // p.ep, p.tp * p.cp * p.ep
+    else:
+        raise KeyError(group)
     span = ranks * stride
     return ranks, max(1, math.ceil(span / gpus_per_node))
 

@@ -111,7 +111,7 @@ def _data_parallel_rows(units: list[Unit], p: Parallel, grad_itemsize: int,
         if size == 1 or not grads:
             continue
         reduce = ALLREDUCE if p.zero == 0 else REDUCESCATTER
-        for k, bucket in enumerate(_buckets(grads, p.bucket_mb)):
+        for k, bucket in enumerate(_buckets_once(grads, p.bucket_mb)):
             nbytes = sum(g.elements for g in bucket) * grad_itemsize
             row = _dp_row(f"{group}_{reduce.lower()}_bucket{k}", Comm(reduce, group, nbytes, "gradient bucket"))
             before.setdefault(min(owner[id(g)] for g in bucket), []).append(row)
@@ -128,6 +128,20 @@ def volume_bytes(comm: Comm, ranks: int) -> float:
     """Bytes each rank sends in a ring implementation: 2(n-1)/n·S for all-reduce, (n-1)/n·S otherwise."""
     share = (ranks - 1) / ranks * comm.bytes
     return 2 * share if comm.type == ALLREDUCE else share
+
+
+_BUCKETS: dict[tuple, tuple] = {}
+
+
+def _buckets_once(grads: list, bucket_mb: float) -> list[list]:
+    """``_buckets``, once per list of gradient rows (every ZeRO stage of a layout search shares them)."""
+    key = (tuple(map(id, grads)), bucket_mb)
+    held = _BUCKETS.get(key)
+    if held is None or held[0] is not grads[0]:
+        if len(_BUCKETS) >= 4096:
+            _BUCKETS.clear()
+        held = _BUCKETS[key] = (grads[0], _buckets(grads, bucket_mb))
+    return held[1]
 
 
 def _buckets(grads: list, bucket_mb: float) -> list[list]:
