@@ -195,6 +195,7 @@ def plan(model: str, gpus: int, global_batch: int, seq: int, device: str = "h100
     profiles = [_plan_device(name, fp8, dtype) for name in _device_names(device)]
     if ray is not None:
         _probe(ray)  # a wrong address is said now, even when every shape is read from the cache
+    _raw_config(model)  # an unknown model is said before any worker starts
     with contextlib.ExitStack() as stack_of_resources:
         # A model not seen before will be captured: the workers start (and import torch) while the
         # model's facts are read here, instead of after.
@@ -319,10 +320,7 @@ def _facts_path(model: str, dtype: str):
 
 
 def _facts_cached(model: str, dtype: str) -> bool:
-    try:
-        return _facts_path(model, dtype).is_file()
-    except UserError:
-        return False  # an unknown model: said by _facts, with its own message
+    return _facts_path(model, dtype).is_file()
 
 
 def _facts(model: str, dtype: str):
