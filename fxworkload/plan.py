@@ -395,6 +395,9 @@ def _run(model, groups, settings, workers, ray_address, progress, early=None) ->
             continue
         rows += cached
         bar.update(len(cached))
+    # the shapes with the most layouts first (longest processing time first): the last ones to finish are
+    # short, so the workers end together (the ranking does not depend on the order)
+    tasks.sort(key=lambda item: -len(item[0][2]))
     if ray_address is not None and tasks:
         ray = _ray(ray_address)
         remote = ray.remote(_evaluate)
