@@ -203,6 +203,10 @@ def _add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--keep-gathered", action="store_true",
                        help="with --zero 3: keep each unit's gathered parameters from forward to backward (FSDP2's "
                             "reshard_after_forward=False; default: free them and gather again, as FSDP and ZeRO-3 do)")
+    group.add_argument("--fp8-param-gather", action="store_true",
+                       help="with --fp8 and --zero 1-3: ZeRO's parameter all-gathers move the FP8 linear weights in "
+                            "FP8, one byte each (Megatron-LM's --fp8-param-gather, which under ZeRO 1/2 also keeps "
+                            "those weights in FP8; torchao's FSDP2 float8 all-gather under ZeRO 3)")
     group.add_argument("--grad-reduce-after-backward", action="store_true",
                        help="start the gradients' data-parallel reduction when backward ends (Megatron-LM without "
                             "--overlap-grad-reduce; default: bucket by bucket during backward, as PyTorch DDP)")
@@ -221,7 +225,8 @@ def _parallel(args):
                     vocab_multiple=args.vocab_multiple, recompute=args.recompute,
                     recompute_layers=args.recompute_layers, vpp=args.vpp,
                     reshard_after_forward=not args.keep_gathered,
-                    overlap_grad_reduce=not args.grad_reduce_after_backward)
+                    overlap_grad_reduce=not args.grad_reduce_after_backward,
+                    fp8_param_gather=args.fp8_param_gather)
 
 
 def _formats(text: str) -> list[str]:

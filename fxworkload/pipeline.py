@@ -187,6 +187,8 @@ def extract(model: str, batch: int = 1, seq: int | None = None, dtype: str = "fp
     profile = load_device(device, say=print_progress if progress else None)
     if fp8:
         check_fp8(profile, dtype)
+    elif parallel.fp8_param_gather:
+        raise UserError("--fp8-param-gather gathers the FP8 linear weights: it needs --fp8")
     gpu = trace_target(trace_on, profile)
     traced_on = "cpu" if gpu is None else f"cuda sm{gpu.arch[0]}{gpu.arch[1]} sdpa {'>'.join(gpu.priority)}"
     say = print_progress if progress else (lambda text: None)

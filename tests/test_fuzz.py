@@ -193,7 +193,8 @@ def _extract_args(world) -> st.SearchStrategy[list[str]]:
         "--stack": _value(["eager", "fused", "compiled"]), "--cp": _value(["1", "2", "4", "0"]),
         "--cp-comm": _value(["p2p", "allgather", "ring"]),
     }
-    flags = ["--sp", "--every-layer", "--no-cache", "--keep-gathered", "--grad-reduce-after-backward", "--fp8"]
+    flags = ["--sp", "--every-layer", "--no-cache", "--keep-gathered", "--grad-reduce-after-backward", "--fp8",
+             "--fp8-param-gather"]
     chosen = st.dictionaries(st.sampled_from(sorted(options)), st.just(None), max_size=6).flatmap(
         lambda keys: st.fixed_dictionaries({k: options[k] for k in keys}))
     model = st.one_of(st.sampled_from(["gpt2", "llama", "mixtral"]), st.sampled_from(sorted(world["models"])))

@@ -25,7 +25,7 @@ from ..capture.trace import FORWARD, INPUT_GRAD, WEIGHT_GRAD
 from ..cost.devices import DeviceProfile
 from ..cost.gpu import memory_ns
 from ..dtypes import DTYPES
-from ..parallel.collectives import ALLGATHER, REDUCESCATTER, data_parallel_units
+from ..parallel.collectives import ALLGATHER, REDUCESCATTER, data_parallel_units, parameter_bytes
 from ..parallel.facts import ModelFacts
 from ..parallel.layout import Parallel
 from ..parallel.memory import ADAM_BYTES_PER_PARAMETER
@@ -139,11 +139,13 @@ def cluster_step(facts: ModelFacts, workload: Workload, model_workload: Workload
         comm.append(blocking)
         flops.append(device_flops)
         mine = [u for chunk in chunks for u in chunk]
-        layouts.append((chunks, data_parallel_units(mine, p, DTYPES[grad_dtype].itemsize, DTYPES[dtype].itemsize)))
+        layouts.append((chunks, data_parallel_units(mine, p, DTYPES[grad_dtype].itemsize, DTYPES[dtype].itemsize,
+                                                    workload.fp8_modules)))
     zero3 = [(0.0, 0.0)] * p.pp  # per device: one forward and one backward pass's gather time
     zero3_exposed, zero3_trailing = [0.0] * p.pp, [0.0] * p.pp
     if p.zero == 3:  # gathers and reduce-scatters per FSDP unit on a stream beside the compute (zero3.py)
-        itemsizes = DTYPES[dtype].itemsize, DTYPES[grad_dtype].itemsize
+        itemsizes = DTYPES[dtype].itemsize, DTYPES[grad_dtype].itemsize, (
+            workload.fp8_modules if p.fp8_param_gather else frozenset())
         share = compute_share_lost(device.sm_count)
         for d in range(p.pp):
             groups = [(_zero3_groups(c, FORWARD, p, device, *itemsizes), _zero3_groups(c, INPUT_GRAD, p, device, *itemsizes))
@@ -326,22 +328,23 @@ _ZERO3: dict[tuple, tuple] = {}
 
 
 def _zero3_groups(units: list[Unit], phase: str, p: Parallel, device: DeviceProfile, param_itemsize: int,
-                  grad_itemsize: int) -> list[Group]:
+                  grad_itemsize: int, fp8_modules: frozenset = frozenset()) -> list[Group]:
     """A chunk's FSDP units (decoder layers; the embedding and the head each one) in the order the pass
     runs them: compute with its blocking collectives, parameter gather, gradient reduce-scatter (the same
     chunk's groups computed once per group shape in a layout search)."""
     key = (id(units), phase, p.replicas, p.dp // p.ep, p.ep, p.tp, p.cp, p.cp_comm, p.sp, p.reshard_after_forward,
-           param_itemsize, grad_itemsize, id(device))
+           param_itemsize, grad_itemsize, fp8_modules, id(device))
     held = _ZERO3.get(key)
     if held is None or held[0] is not units or held[1] is not device:
         if len(_ZERO3) >= 4096:
             _ZERO3.clear()
-        held = _ZERO3[key] = (units, device, _zero3_groups_of(units, phase, p, device, param_itemsize, grad_itemsize))
+        held = _ZERO3[key] = (units, device, _zero3_groups_of(units, phase, p, device, param_itemsize, grad_itemsize,
+                                                              fp8_modules))
     return held[2]
 
 
 def _zero3_groups_of(units: list[Unit], phase: str, p: Parallel, device: DeviceProfile, param_itemsize: int,
-                     grad_itemsize: int) -> list[Group]:
+                     grad_itemsize: int, fp8_modules: frozenset) -> list[Group]:
     layers: dict = {}
     for u in units:
         layers.setdefault(u.layer if u.layer is not None else u.name, []).append(u)
@@ -350,15 +353,16 @@ def _zero3_groups_of(units: list[Unit], phase: str, p: Parallel, device: DeviceP
         phases = (FORWARD,) if phase == FORWARD else (INPUT_GRAD, WEIGHT_GRAD)
         compute = sum(u.costs[ph][0] for u in members for ph in phases) + sum(
             exposed_comm_ns(u, c, phase, p, device) for u in members for c in u.comms[phase])
-        shards = {"dp": 0, "dp_ep": 0}
+        shards: dict[str, list] = {"dp": [], "dp_ep": []}
         for g in (g for u in members for g in u.grads):
-            shards["dp_ep" if is_expert(g.module) and p.ep > 1 else "dp"] += g.elements
-        gather = sum(comm_ns(Comm(ALLGATHER, group, n * param_itemsize, "parameters"), p, device)
-                     for group, n in shards.items())
+            shards["dp_ep" if is_expert(g.module) and p.ep > 1 else "dp"].append(g)
+        gather = sum(comm_ns(Comm(ALLGATHER, group, parameter_bytes(grads, param_itemsize, fp8_modules), "parameters"),
+                             p, device) for group, grads in shards.items())
         if phase != FORWARD and not p.reshard_after_forward:
             gather = 0.0  # FSDP2 reshard_after_forward=False: the forward's gathered parameters stay
         scatter = 0.0 if phase == FORWARD else sum(
-            comm_ns(Comm(REDUCESCATTER, group, n * grad_itemsize, "gradients"), p, device) for group, n in shards.items())
+            comm_ns(Comm(REDUCESCATTER, group, sum(g.elements for g in grads) * grad_itemsize, "gradients"), p, device)
+            for group, grads in shards.items())
         groups.append(Group(compute_ns=compute, gather_ns=gather, reduce_scatter_ns=scatter))
     return groups if phase == FORWARD else groups[::-1]
 

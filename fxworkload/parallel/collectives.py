@@ -78,18 +78,26 @@ def add_model_parallel(units: list[Unit], p: Parallel, micro_batch: int, seq: in
 _DP_ROWS: dict[tuple, tuple] = {}
 
 
-def data_parallel_units(units: list[Unit], p: Parallel, grad_itemsize: int, param_itemsize: int) -> list[Unit]:
+def parameter_bytes(grads, itemsize: int, fp8_modules: frozenset = frozenset()) -> int:
+    """Bytes of these parameters as ZeRO's all-gather moves them: one per element for the FP8 linear
+    layers' weights gathered in FP8 (``fp8_modules``, --fp8-param-gather), ``itemsize`` for the rest."""
+    return sum(g.elements * (1 if g.module in fp8_modules else itemsize) for g in grads)
+
+
+def data_parallel_units(units: list[Unit], p: Parallel, grad_itemsize: int, param_itemsize: int,
+                        fp8_modules: frozenset = frozenset()) -> list[Unit]:
     """The stage's units with its data-parallel rows inserted: a gradient bucket's row sits just before
     the unit whose backward completes the bucket, so the simulator issues it there."""
     grads = [g for u in units for g in u.grads]
     # the rows name their group, not its size: layouts that differ only in dp share them
+    gathered_fp8 = fp8_modules if p.fp8_param_gather else frozenset()
     key = (tuple(map(id, grads)), tuple(len(u.grads) for u in units), p.replicas > 1, p.dp // p.ep > 1, p.ep > 1,
-           p.zero, p.bucket_mb, grad_itemsize, param_itemsize)
+           p.zero, p.bucket_mb, grad_itemsize, param_itemsize, gathered_fp8)
     held = _DP_ROWS.get(key)
     if held is None:
         if len(_DP_ROWS) >= 1024:
             _DP_ROWS.clear()
-        held = _DP_ROWS[key] = (grads, *_data_parallel_rows(units, p, grad_itemsize, param_itemsize))
+        held = _DP_ROWS[key] = (grads, *_data_parallel_rows(units, p, grad_itemsize, param_itemsize, gathered_fp8))
     _, top, before = held
     out = list(top)
     for i, unit in enumerate(units):
@@ -98,8 +106,8 @@ def data_parallel_units(units: list[Unit], p: Parallel, grad_itemsize: int, para
     return out
 
 
-def _data_parallel_rows(units: list[Unit], p: Parallel, grad_itemsize: int,
-                        param_itemsize: int) -> tuple[list[Unit], dict[int, list[Unit]]]:
+def _data_parallel_rows(units: list[Unit], p: Parallel, grad_itemsize: int, param_itemsize: int,
+                        fp8_modules: frozenset) -> tuple[list[Unit], dict[int, list[Unit]]]:
     """The rows issued first (ZeRO's gathers) and, per unit index, the bucket rows issued before it."""
     expert_dp = p.dp // p.ep
     groups = [("dp", p.replicas, [g for u in units for g in u.grads if not is_expert(g.module)]),
@@ -115,7 +123,7 @@ def _data_parallel_rows(units: list[Unit], p: Parallel, grad_itemsize: int,
             nbytes = sum(g.elements for g in bucket) * grad_itemsize
             row = _dp_row(f"{group}_{reduce.lower()}_bucket{k}", Comm(reduce, group, nbytes, "gradient bucket"))
             before.setdefault(min(owner[id(g)] for g in bucket), []).append(row)
-        params = sum(g.elements for g in grads) * param_itemsize
+        params = parameter_bytes(grads, param_itemsize, fp8_modules)
         if p.zero in (1, 2):
             top.append(_dp_row(f"{group}_param_allgather", Comm(ALLGATHER, group, params, "updated parameters")))
         if p.zero == 3:

@@ -34,6 +34,9 @@ class Parallel:
     # steps overlapped with attention (Megatron-Core, "p2p") or one all-gather before it (Llama 3, "allgather")
     cp: int = 1
     cp_comm: str = "p2p"
+    # --fp8: ZeRO's parameter all-gathers move the FP8 linear weights in FP8, one byte each (Megatron-LM's
+    # --fp8-param-gather, which also keeps those weights in FP8; torchao's FSDP2 float8 all-gather under ZeRO 3)
+    fp8_param_gather: bool = False
 
     @property
     def world(self) -> int:
@@ -77,6 +80,8 @@ def check_values(parallel: Parallel) -> None:
                         f"{MAX_BUCKET_MB:,} MiB, got {p.bucket_mb}")
     if not p.reshard_after_forward and p.zero != 3:
         raise UserError("--keep-gathered keeps ZeRO 3's gathered parameters: it needs --zero 3")
+    if p.fp8_param_gather and p.zero == 0:
+        raise UserError("--fp8-param-gather moves ZeRO's parameter all-gathers in FP8: it needs --zero 1, 2 or 3")
     if p.cp_comm not in CP_COMMS:
         raise UserError(f"unknown --cp-comm {p.cp_comm!r}: use p2p (Megatron-Core's ring) or allgather (Llama 3's)")
     if p.cp > 1 and p.ep > 1:

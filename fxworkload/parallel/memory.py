@@ -67,11 +67,15 @@ def rank_memory(p: Parallel, rank_units: list, workload: Workload, dtype: str, g
     # backward, so at the end of the forward every unit's whole copy is held beside the shards
     gathered = (dense + expert) * DTYPES[dtype].itemsize if p.zero == 3 and not p.reshard_after_forward else 0
     activations = saved * in_flight_chunks // p.vpp
-    # FP8 copies of the rank's linear weights and their transposes; under ZeRO 3 of its shard (the gathered
-    # unit's FP8 weights are transient, as its 16-bit ones are)
-    fp8_weights = (2 * workload.fp8_weight_elements * (dense + expert) // workload.parameter_count
-                   // (p.replicas if p.zero == 3 else 1) if workload.fp8_weight_elements and workload.parameter_count
-                   else 0)
+    # FP8 copies of the rank's linear weights and their transposes (2 bytes a weight); under ZeRO 3 of its
+    # shard (the gathered unit's FP8 weights are transient, as its 16-bit ones are). With --fp8-param-gather
+    # under ZeRO 1/2 (Megatron-LM) the weights themselves are kept in FP8: 1 byte less each, and only the
+    # transposes beside them
+    fp8_here = sum(g.elements for u in units for g in u.grads if g.module in workload.fp8_modules)
+    fp8_weights = 2 * fp8_here // (p.replicas if p.zero == 3 else 1)
+    if p.fp8_param_gather and p.zero in (1, 2):
+        states = (states[0] - fp8_here * (DTYPES[dtype].itemsize - 1), *states[1:])
+        fp8_weights = fp8_here
     # one stage: the captured step is this rank's own, less what recomputation gives up; a stage of
     # several: its parts, added
     step_peak = workload.step_peak_bytes - dropped + regenerated_bytes if p.pp == 1 else (

@@ -51,7 +51,8 @@ def device_chunks(facts: ModelFacts, workload: Workload, p: Parallel, device: in
     with the data-parallel rows inserted where DDP issues them."""
     chunks = model_parallel_chunks(facts, workload, p, device, micro_batch, seq, dtype)
     mine = [u for chunk in chunks for u in chunk]
-    return chunks, data_parallel_units(mine, p, DTYPES[grad_dtype].itemsize, DTYPES[dtype].itemsize)
+    return chunks, data_parallel_units(mine, p, DTYPES[grad_dtype].itemsize, DTYPES[dtype].itemsize,
+                                       workload.fp8_modules)
 
 
 def model_parallel_chunks(facts: ModelFacts, workload: Workload, p: Parallel, device: int, micro_batch: int,

@@ -20,8 +20,11 @@ linear layers read it (q, k and v; gate and up). The producer is the nearest row
 its layer, that saved at least the input's 16-bit bytes and made a tensor of the input's size; linear
 layers of one input size with only views between them (q, k, v) read the same input.
 
-Not modelled: delayed scaling's amax history, and FP8 weight all-gathers (ZeRO-3 gathers move 16-bit
-parameters).
+ZeRO's parameter all-gathers move the FP8 weights in FP8 with ``--fp8-param-gather``
+(parallel/collectives.py ``parameter_bytes``; Megatron-LM's flag of that name, which under ZeRO 1/2
+also keeps the weights in FP8, and torchao's FSDP2 float8 all-gather under ZeRO 3).
+
+Not modelled: delayed scaling's amax history.
 """
 
 from __future__ import annotations
@@ -63,7 +66,7 @@ def with_fp8(workload: Workload, device: DeviceProfile, stack: str | None) -> Wo
                                       estimated_ns=gpu_op_ns(op, device, "fp8") + cast_ns)
         return retimed[id(op)]
 
-    rows, weights, halved = [], 0, set()
+    rows, weights, halved, modules = [], 0, set(), set()
     previous = None  # (input elements, rows so far) of the last linear while only views follow it
     for row in workload.rows:
         if not (isinstance(row, NodeRow) and _linear_in_layer(row, stack)):
@@ -80,8 +83,9 @@ def with_fp8(workload: Workload, device: DeviceProfile, stack: str | None) -> Wo
                             input_grad=[fp8(op, m * n if op.gemm_mkn else 0) for op in row.input_grad],
                             weight_grad=[fp8(op, 0) for op in row.weight_grad]))
         weights += k * n * row.forward.gemm_batch
+        modules.add(row.module)
     removed = workload.saved_bytes - sum(r.saved_bytes for r in rows if isinstance(r, NodeRow))
-    return replace(workload, rows=rows, fp8_weight_elements=weights,
+    return replace(workload, rows=rows, fp8_weight_elements=weights, fp8_modules=frozenset(modules),
                    step_peak_bytes=max(workload.step_peak_bytes - removed, 0),
                    activation_peak_bytes=max(workload.activation_peak_bytes - removed, 0))
 

@@ -108,6 +108,7 @@ class Workload:
     # per kernel family, the 90 % interval of measured / estimated on held-out kernels (the device's fit)
     error_intervals: dict = field(default_factory=dict)
     fp8_weight_elements: int = 0  # --fp8: the weights with FP8 copies (the decoder layers' linear layers)
+    fp8_modules: frozenset = frozenset()  # --fp8: those linear layers' module paths
 
     @classmethod
     def of_rows(cls, rows: list, grad_dtype: torch.dtype, step_peak_bytes: int = 0,

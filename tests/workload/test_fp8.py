@@ -75,3 +75,32 @@ def test_zero3_holds_the_fp8_copies_of_its_shard_only(tiny_dirs):
     sharded = extract(str(tiny_dirs["llama"]), batch=2, seq=32, dtype="bf16", device="h100-sxm", fp8=True,
                       parallel=Parallel(dp=2, zero=3))
     assert sharded.memory.fp8_weights_bytes == 2 * LINEAR_WEIGHTS // 2
+
+
+def test_fp8_parameter_gathers_move_a_byte_per_linear_weight(tiny_dirs):
+    """Megatron-LM's --fp8-param-gather (ZeRO 1) and torchao's FSDP2 float8 all-gather (ZeRO 3): the
+    parameter all-gathers carry the FP8 linear weights at one byte, the rest at bf16's two; under ZeRO 1
+    the weights are kept in FP8 too (one byte less each), with only their transposes beside them."""
+    from fxworkload.parallel.collectives import ALLGATHER
+    from fxworkload.parallel.layout import Parallel
+
+    def run(zero, gather):
+        return extract(str(tiny_dirs["llama"]), batch=2, seq=32, dtype="bf16", device="h100-sxm", fp8=True,
+                       parallel=Parallel(dp=2, zero=zero, fp8_param_gather=gather))
+
+    for zero in (1, 3):
+        plain, fp8_gather = run(zero, False), run(zero, True)
+        total = plain.workload.parameter_count
+        gathers = [[c.bytes for u in r.rank.units for c in u.comms["weight_grad"] if c.type == ALLGATHER]
+                   for r in (plain, fp8_gather)]
+        assert set(gathers[0]) == {2 * total}
+        assert set(gathers[1]) == {2 * (total - LINEAR_WEIGHTS) + LINEAR_WEIGHTS}
+    plain, fp8_gather = run(1, False), run(1, True)
+    assert plain.memory.parameters_bytes - fp8_gather.memory.parameters_bytes == LINEAR_WEIGHTS
+    assert fp8_gather.memory.fp8_weights_bytes == LINEAR_WEIGHTS  # the transposes only
+    with pytest.raises(UserError, match="needs --fp8"):
+        extract(str(tiny_dirs["llama"]), seq=16, dtype="bf16", device="h100-sxm",
+                parallel=Parallel(dp=2, zero=1, fp8_param_gather=True))
+    with pytest.raises(UserError, match="--zero 1, 2 or 3"):
+        extract(str(tiny_dirs["llama"]), seq=16, dtype="bf16", device="h100-sxm", fp8=True,
+                parallel=Parallel(dp=2, fp8_param_gather=True))
