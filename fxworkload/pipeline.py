@@ -190,7 +190,9 @@ def extract(model: str, batch: int = 1, seq: int | None = None, dtype: str = "fp
     elif parallel.fp8_param_gather:
         raise UserError("--fp8-param-gather gathers the FP8 linear weights: it needs --fp8")
     gpu = trace_target(trace_on, profile)
-    traced_on = "cpu" if gpu is None else f"cuda sm{gpu.arch[0]}{gpu.arch[1]} sdpa {'>'.join(gpu.priority)}"
+    platform = (f"rocm {profile.arch}" if profile.arch.startswith("gfx")  # ROCm's torch: the "cuda" device type
+                else f"cuda sm{gpu.arch[0]}{gpu.arch[1]}" if gpu is not None else "")
+    traced_on = "cpu" if gpu is None else f"{platform} sdpa {'>'.join(gpu.priority)}"
     say = print_progress if progress else (lambda text: None)
 
     if parallel.cp > 1:  # each rank is captured on its own tokens (context_parallel.py)

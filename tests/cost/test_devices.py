@@ -73,3 +73,14 @@ def test_each_figure_says_whether_it_is_a_datasheet_fact_fitted_or_assumed():
     assert h100.figure_kinds()["memory_bytes_per_s"] == mi300x.figure_kinds()["memory_bytes_per_s"] == "datasheet"
     assert h20.figure_kinds()["memory_bytes_per_s"] == "assumed"  # no NVIDIA datasheet publishes it
     assert mi300x.figure_kinds()["inter_node_bytes_per_s"] == "assumed"
+
+
+def test_an_amd_profile_traces_rocms_attention(tiny_dirs):
+    """ROCm's torch has no cuDNN attention: the step traced for an MI300X records flash or memory-efficient
+    SDPA kernels, and says it was traced for ROCm's gfx942."""
+    from fxworkload.pipeline import extract
+
+    result = extract(str(tiny_dirs["llama"]), seq=32, dtype="bf16", device="mi300x")
+    assert result.settings["traced_on"] == "rocm gfx942 sdpa flash>efficient>math"
+    backends = {op.sdpa_backend for op in result.workload.ops() if op.sdpa_backend}
+    assert backends and "cudnn" not in backends
