@@ -25,6 +25,7 @@ import math
 
 from ..cost.devices import DeviceProfile
 from ..errors import UserError
+from ..memo import Memo
 from ..parallel.layout import Parallel
 from ..parallel.units import Comm
 
@@ -84,18 +85,13 @@ def tree_all_reduce_ns(nbytes: float, ranks: int, nodes: int, device: DeviceProf
 
 def comm_ns(comm: Comm, p: Parallel, device: DeviceProfile) -> float:
     ranks, nodes = group_layout(comm.group, p, device.gpus_per_node)
-    key = (comm.type, comm.bytes, ranks, nodes, id(device))
-    held = _TIMES.get(key)
-    if held is None or held[0] is not device:
-        if len(_TIMES) >= 1 << 16:
-            _TIMES.clear()
-        held = _TIMES[key] = (device, collective_ns(comm.type, comm.bytes, ranks, nodes, device))
-    return held[1]
+    return _TIMES.get((comm.type, comm.bytes, ranks, nodes, id(device)), (device,),
+                      lambda: collective_ns(comm.type, comm.bytes, ranks, nodes, device))
 
 
 # a layout search times the same collective (a gradient bucket, a layer's all-gather) on the same group
-# shape many times; the profile is kept with its time so that an id reused by another profile never hits
-_TIMES: dict[tuple, tuple] = {}
+# shape many times
+_TIMES = Memo(1 << 16)
 
 
 def p2p_ns(nbytes: float, p: Parallel, device: DeviceProfile) -> float:

@@ -25,6 +25,7 @@ from ..capture.trace import FORWARD, INPUT_GRAD, WEIGHT_GRAD
 from ..cost.devices import DeviceProfile
 from ..cost.gpu import memory_ns
 from ..dtypes import DTYPES
+from ..memo import Memo
 from ..parallel.collectives import ALLGATHER, REDUCESCATTER, data_parallel_units, parameter_bytes
 from ..parallel.facts import ModelFacts
 from ..parallel.layout import Parallel
@@ -211,7 +212,7 @@ def cluster_step(facts: ModelFacts, workload: Workload, model_workload: Workload
 
 # A layout search evaluates many layouts that differ only in what leaves a device's passes unchanged
 # (data-parallel degree, ZeRO stage, micro-batch count): their passes are computed once.
-_PASSES: dict[tuple, tuple] = {}
+_PASSES = Memo(4096)
 MODEL_PARALLEL_FIELDS = ("pp", "vpp", "pp_layers", "tp", "sp", "cp", "cp_comm", "ep", "vocab_multiple")
 
 
@@ -221,22 +222,21 @@ def _device_passes(facts, workload, model_workload, p: Parallel, d: int, micro_b
     collectives' time per group and (model, hardware) FLOPs: what depends on the model-parallel layout only."""
     key = (id(workload), id(model_workload), id(device), d, micro_batch, seq, dtype,
            *(getattr(p, name) for name in MODEL_PARALLEL_FIELDS))
-    held = _PASSES.get(key)
-    if held is not None and held[0] is workload and held[1] is model_workload and held[2] is device:
-        return held[3:]
+    return _PASSES.get(key, (workload, model_workload, device),
+                       lambda: _device_passes_of(facts, workload, model_workload, p, d, micro_batch, seq, dtype, device))
+
+
+def _device_passes_of(facts, workload, model_workload, p: Parallel, d: int, micro_batch: int, seq: int, dtype: str,
+                      device: DeviceProfile) -> tuple:
     chunks = model_parallel_chunks(facts, workload, p, d, micro_batch, seq, dtype)
     captured_chunks = model_chunks(facts, split_once(facts, model_workload), p, d)
     forward_passes = [_pass(c, FORWARD, p, device) for c in chunks]
     backward_passes = [_pass(c, INPUT_GRAD, p, device) for c in chunks]
     backward_by_unit = {id(u): sum(u.costs[ph][0] for ph in (INPUT_GRAD, WEIGHT_GRAD)) + sum(
         exposed_comm_ns(u, x, INPUT_GRAD, p, device) for x in u.comms[INPUT_GRAD]) for c in chunks for u in c}
-    result = (chunks, tuple(ns for ns, _ in forward_passes), tuple(ns for ns, _ in backward_passes),
-              _blocking_comm(forward_passes + backward_passes), (_flops(captured_chunks), _flops(chunks)),
-              backward_by_unit)
-    if len(_PASSES) >= 4096:
-        _PASSES.clear()
-    _PASSES[key] = (workload, model_workload, device, *result)
-    return result
+    return (chunks, tuple(ns for ns, _ in forward_passes), tuple(ns for ns, _ in backward_passes),
+            _blocking_comm(forward_passes + backward_passes), (_flops(captured_chunks), _flops(chunks)),
+            backward_by_unit)
 
 
 def _interval_ratio(workload: Workload) -> tuple[float, float]:
@@ -324,7 +324,7 @@ def _bucket_slowdown(spans: list[tuple], mine: list[tuple], share_lost: float) -
     return share_lost * overlap
 
 
-_ZERO3: dict[tuple, tuple] = {}
+_ZERO3 = Memo(4096)
 
 
 def _zero3_groups(units: list[Unit], phase: str, p: Parallel, device: DeviceProfile, param_itemsize: int,
@@ -334,13 +334,8 @@ def _zero3_groups(units: list[Unit], phase: str, p: Parallel, device: DeviceProf
     chunk's groups computed once per group shape in a layout search)."""
     key = (id(units), phase, p.replicas, p.dp // p.ep, p.ep, p.tp, p.cp, p.cp_comm, p.sp, p.reshard_after_forward,
            param_itemsize, grad_itemsize, fp8_modules, id(device))
-    held = _ZERO3.get(key)
-    if held is None or held[0] is not units or held[1] is not device:
-        if len(_ZERO3) >= 4096:
-            _ZERO3.clear()
-        held = _ZERO3[key] = (units, device, _zero3_groups_of(units, phase, p, device, param_itemsize, grad_itemsize,
-                                                              fp8_modules))
-    return held[2]
+    return _ZERO3.get(key, (units, device), lambda: _zero3_groups_of(units, phase, p, device, param_itemsize,
+                                                                     grad_itemsize, fp8_modules))
 
 
 def _zero3_groups_of(units: list[Unit], phase: str, p: Parallel, device: DeviceProfile, param_itemsize: int,

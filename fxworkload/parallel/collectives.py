@@ -20,7 +20,7 @@ from itertools import accumulate
 from operator import attrgetter
 
 from ..capture.trace import FORWARD, INPUT_GRAD, WEIGHT_GRAD
-from .context_parallel import cp_comms
+from ..memo import Memo
 from .layout import Parallel
 from .units import EMBEDDING, HEAD, Comm, Unit, is_expert
 
@@ -73,9 +73,24 @@ def add_model_parallel(units: list[Unit], p: Parallel, micro_batch: int, seq: in
                 comms.extend(Comm(ALLTOALL, "ep", routed, f"token {what} ({phase})") for what in ("dispatch", "combine"))
 
 
+def cp_comms(p: Parallel, rank_kv_bytes: int) -> tuple[list[Comm], list[Comm]]:
+    """(forward, backward) context-parallel collectives of one attention block (context_parallel.py): the
+    whole gathered keys and values, cp x one rank's, as NCCL counts an all-gather; Megatron-Core's ring
+    overlaps the attention core, Llama 3's all-gather does not."""
+    if p.cp == 1:
+        return [], []
+    gathered = rank_kv_bytes * p.cp
+    overlapped = p.cp_comm == "p2p"
+    how = "ring, overlapped with attention" if overlapped else "all-gather"
+    forward = [Comm(ALLGATHER, "cp", gathered, f"keys and values ({how})", overlapped=overlapped)]
+    backward = [Comm(ALLGATHER, "cp", gathered, f"keys and values again ({how})", overlapped=overlapped),
+                Comm(REDUCESCATTER, "cp", gathered, f"key and value gradients ({how})", overlapped=overlapped)]
+    return forward, backward
+
+
 # A layout search builds the same buckets for every layout of a stage that shares dp, ep, ZeRO and
 # the bucket size (thousands of rows for a large model with TP 1); the rows are read-only once made.
-_DP_ROWS: dict[tuple, tuple] = {}
+_DP_ROWS = Memo(1024)
 
 
 def parameter_bytes(grads, itemsize: int, fp8_modules: frozenset = frozenset()) -> int:
@@ -93,12 +108,8 @@ def data_parallel_units(units: list[Unit], p: Parallel, grad_itemsize: int, para
     gathered_fp8 = fp8_modules if p.fp8_param_gather else frozenset()
     key = (tuple(map(id, grads)), tuple(len(u.grads) for u in units), p.replicas > 1, p.dp // p.ep > 1, p.ep > 1,
            p.zero, p.bucket_mb, grad_itemsize, param_itemsize, gathered_fp8)
-    held = _DP_ROWS.get(key)
-    if held is None:
-        if len(_DP_ROWS) >= 1024:
-            _DP_ROWS.clear()
-        held = _DP_ROWS[key] = (grads, *_data_parallel_rows(units, p, grad_itemsize, param_itemsize, gathered_fp8))
-    _, top, before = held
+    top, before = _DP_ROWS.get(key, tuple(grads), lambda: _data_parallel_rows(units, p, grad_itemsize, param_itemsize,
+                                                                             gathered_fp8))
     out = list(top)
     for i, unit in enumerate(units):
         out.extend(before.get(i, []))
@@ -138,18 +149,12 @@ def volume_bytes(comm: Comm, ranks: int) -> float:
     return 2 * share if comm.type == ALLREDUCE else share
 
 
-_BUCKETS: dict[tuple, tuple] = {}
+_BUCKETS = Memo(4096)
 
 
 def _buckets_once(grads: list, bucket_mb: float) -> list[list]:
     """``_buckets``, once per list of gradient rows (every ZeRO stage of a layout search shares them)."""
-    key = (tuple(map(id, grads)), bucket_mb)
-    held = _BUCKETS.get(key)
-    if held is None or held[0] is not grads[0]:
-        if len(_BUCKETS) >= 4096:
-            _BUCKETS.clear()
-        held = _BUCKETS[key] = (grads[0], _buckets(grads, bucket_mb))
-    return held[1]
+    return _BUCKETS.get((tuple(map(id, grads)), bucket_mb), tuple(grads), lambda: _buckets(grads, bucket_mb))
 
 
 def _buckets(grads: list, bucket_mb: float) -> list[list]:

@@ -22,6 +22,8 @@ Keys and values (kv_heads / tp heads of head_dim values, per token of the rank) 
   gathers them again and reduce-scatters their gradients; none overlaps. Only the rank's own keys
   and values are saved for backward (``ctx.save_for_backward(q, k, v, ...)``), so nothing is added to
   the captured step's saved bytes.
+
+The exchange's collectives are attached with the other model-parallel ones (collectives.py).
 """
 
 from __future__ import annotations
@@ -30,10 +32,6 @@ from dataclasses import replace
 
 from ..workload.table import NodeRow, OpCost, Workload
 from .layout import Parallel
-from .units import Comm
-
-ALLGATHER, REDUCESCATTER = "ALLGATHER", "REDUCESCATTER"
-
 
 def is_core(op: OpCost) -> bool:
     """The attention core (SDPA's kernels, or eager attention's tagged ops): what reads the other ranks' keys."""
@@ -69,15 +67,3 @@ def kv_bytes(micro_batch: int, seq_per_rank: int, kv_heads: int, head_dim: int, 
     """One rank's keys and values of one layer: 2 x tokens x its kv heads x head_dim values."""
     return 2 * micro_batch * seq_per_rank * max(kv_heads // tp, 1) * head_dim * itemsize
 
-
-def cp_comms(p: Parallel, rank_kv_bytes: int) -> tuple[list[Comm], list[Comm]]:
-    """(forward, backward) context-parallel collectives of one attention block."""
-    if p.cp == 1:
-        return [], []
-    gathered = rank_kv_bytes * p.cp
-    overlapped = p.cp_comm == "p2p"
-    how = "ring, overlapped with attention" if overlapped else "all-gather"
-    forward = [Comm(ALLGATHER, "cp", gathered, f"keys and values ({how})", overlapped=overlapped)]
-    backward = [Comm(ALLGATHER, "cp", gathered, f"keys and values again ({how})", overlapped=overlapped),
-                Comm(REDUCESCATTER, "cp", gathered, f"key and value gradients ({how})", overlapped=overlapped)]
-    return forward, backward

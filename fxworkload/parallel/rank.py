@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 
 from ..capture.trace import FORWARD, INPUT_GRAD, WEIGHT_GRAD
 from ..dtypes import DTYPES
+from ..memo import Memo
 from ..workload.table import Workload
 from .collectives import add_model_parallel, data_parallel_units, stage_units
 from .context_parallel import kv_bytes
@@ -78,24 +79,23 @@ def model_chunks(facts: ModelFacts, units: list[Unit], p: Parallel, device: int)
             for c in range(p.vpp)]
 
 
-_SPLIT: dict[int, tuple[Workload, list[Unit]]] = {}
+_SPLIT = Memo(64)
 
 
 def split_once(facts: ModelFacts, workload: Workload) -> list[Unit]:
     """The workload's units with their summed costs, split once per table."""
-    held = _SPLIT.get(id(workload))
-    if held is None or held[0] is not workload:
-        if len(_SPLIT) >= 64:
-            _SPLIT.clear()
-        units = split(workload, facts.stack, list(facts.row_parallel))
-        for u in units:
-            u.costs, u.core_ns = {}, {}
-            for ph in (FORWARD, INPUT_GRAD, WEIGHT_GRAD):
-                ops = u.ops(ph)
-                u.costs[ph] = (sum(op.estimated_ns for op in ops), sum(op.flops for op in ops))
-                u.core_ns[ph] = sum(op.estimated_ns for op in ops if op.sdpa_backend)
-        held = _SPLIT[id(workload)] = (workload, units)
-    return held[1]
+    return _SPLIT.get(id(workload), (workload,), lambda: _split_with_costs(facts, workload))
+
+
+def _split_with_costs(facts: ModelFacts, workload: Workload) -> list[Unit]:
+    units = split(workload, facts.stack, list(facts.row_parallel))
+    for u in units:
+        u.costs, u.core_ns = {}, {}
+        for ph in (FORWARD, INPUT_GRAD, WEIGHT_GRAD):
+            ops = u.ops(ph)
+            u.costs[ph] = (sum(op.estimated_ns for op in ops), sum(op.flops for op in ops))
+            u.core_ns[ph] = sum(op.estimated_ns for op in ops if op.sdpa_backend)
+    return units
 
 
 def _fresh(unit: Unit) -> Unit:

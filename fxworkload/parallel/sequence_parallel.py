@@ -45,9 +45,9 @@ def with_sequence_parallel(workload: Workload, parallel: Parallel, stack: str | 
         if row.forward.kind == "matmul":
             outside = False
         if outside:
-            row = replace(row, forward=share(row.forward), input_grad=[share(op) for op in row.input_grad],
-                          weight_grad=[share(op) for op in row.weight_grad], saved_bytes=row.saved_bytes // tp,
-                          selective_saved_bytes=row.selective_saved_bytes // tp)
+            row = row.with_ops(share(row.forward), [share(op) for op in row.input_grad],
+                               [share(op) for op in row.weight_grad], saved_bytes=row.saved_bytes // tp,
+                               selective_saved_bytes=row.selective_saved_bytes // tp)
         rows.append(row)
         previous = row
     # The step's peaks were read off the whole-sequence graph: they hold the same saves, less now.

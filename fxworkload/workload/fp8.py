@@ -37,7 +37,7 @@ from ..cost.gpu import memory_ns
 from ..cost.optime import gpu_op_ns
 from ..errors import UserError
 from .layers import layer_of
-from .table import GradRow, NodeRow, OpCost, Workload
+from .table import NodeRow, OpCost, Workload
 
 CAST_BYTES_PER_ELEMENT = 2 + 1 + 1  # read a 16-bit value, write its FP8 cast and the cast's transpose
 
@@ -79,9 +79,8 @@ def with_fp8(workload: Workload, device: DeviceProfile, stack: str | None) -> Wo
         if previous is None or previous[0] != elements:  # not a sibling of the last linear: find its input
             _save_input_in_fp8(rows, row, elements, stack, halved)
         previous = (elements, len(rows))
-        rows.append(replace(row, forward=fp8(row.forward, m * k),
-                            input_grad=[fp8(op, m * n if op.gemm_mkn else 0) for op in row.input_grad],
-                            weight_grad=[fp8(op, 0) for op in row.weight_grad]))
+        rows.append(row.with_ops(fp8(row.forward, m * k), [fp8(op, m * n if op.gemm_mkn else 0) for op in row.input_grad],
+                                 [fp8(op, 0) for op in row.weight_grad]))
         weights += k * n * row.forward.gemm_batch
         modules.add(row.module)
     removed = workload.saved_bytes - sum(r.saved_bytes for r in rows if isinstance(r, NodeRow))
@@ -104,11 +103,11 @@ def _save_input_in_fp8(rows: list, linear: NodeRow, elements: int, stack: str | 
             return
         if made and row.saved_bytes >= 2 * elements:
             halved.add(i)
-            rows[i] = replace(row, saved_bytes=row.saved_bytes - elements)
+            rows[i] = row.with_ops(row.forward, row.input_grad, row.weight_grad, saved_bytes=row.saved_bytes - elements)
             return
 
 
 def _linear_in_layer(row: NodeRow, stack: str | None) -> bool:
     op = row.forward
     return (op.gemm_mkn is not None and not op.sdpa_backend and op.kind == "matmul"
-            and layer_of(row.module, stack) is not None and not isinstance(row, GradRow))
+            and layer_of(row.module, stack) is not None)
