@@ -181,7 +181,8 @@ def ring_check(folder: Path, astra_run: str) -> str:
 
 
 def _describe(p: Parallel, batch: int, seq: int) -> str:
-    parts = [f"tp{p.tp}{'+sp' if p.sp else ''}", f"pp{p.pp}" + (f" vpp{p.vpp}" if p.vpp > 1 else ""), f"dp{p.dp}"]
+    parts = [f"tp{p.tp}{'+sp' if p.sp else ''}", *([f"cp{p.cp} ({p.cp_comm})"] if p.cp > 1 else []),
+             f"pp{p.pp}" + (f" vpp{p.vpp}" if p.vpp > 1 else ""), f"dp{p.dp}"]
     parts += [f"ep{p.ep}"] if p.ep > 1 else []
     parts += [f"zero{p.zero}"] if p.zero else []
     parts += [f"recompute {p.recompute}"] if p.recompute != "none" else []
