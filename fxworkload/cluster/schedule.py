@@ -67,46 +67,50 @@ def timelines(pp: int, vpp: int, micro_batches: int, forward_ns, backward_ns, tr
 @functools.lru_cache(maxsize=1024)
 def _timelines(pp: int, vpp: int, micro_batches: int, forward_ns: tuple, backward_ns: tuple,
                transfer_ns: float) -> list[list[tuple]]:
+    """One sweep over the passes in an order where each comes after what it waits for (``_order``: the
+    same for every pass time), so each start is known when it is reached."""
+    durations = [ns for times in (forward_ns, backward_ns) for per_device in times for ns in per_device]
+    ends = [0.0] * (pp * micro_batches * vpp * 2)
+    free = [0.0] * pp
+    out: list[list[tuple]] = [[] for _ in range(pp)]
+    for i, (d, after, moved, slot, entry) in enumerate(_order(pp, vpp, micro_batches)):
+        ready = 0.0 if after < 0 else ends[after] + (transfer_ns if moved else 0.0)
+        start = free[d] if free[d] > ready else ready
+        free[d] = ends[i] = end = start + durations[slot]
+        out[d].append((*entry, start, end))
+    return out
+
+
+@functools.lru_cache(maxsize=256)
+def _order(pp: int, vpp: int, micro_batches: int) -> tuple[tuple[int, int, bool, int, tuple], ...]:
+    """Every pass as (device, the index of the pass it waits for or -1, whether that pass's output crosses
+    devices, its time's index in forward then backward [device][chunk], (kind, chunk, micro-batch)), in
+    the order Megatron's devices can run them: each device in its own order, a pass taken once what it
+    waits for is placed."""
     orders = [device_order(pp, vpp, micro_batches, d) for d in range(pp)]
     last = pp * vpp - 1
-    forward_end: dict[tuple[int, int], float] = {}  # (virtual stage, micro-batch) -> end
-    backward_end: dict[tuple[int, int], float] = {}
-    free = [0.0] * pp
+    placed: dict[tuple[str, int, int], int] = {}  # (kind, virtual stage, micro-batch) -> index
     at = [0] * pp
-    out: list[list[tuple]] = [[] for _ in range(pp)]
-    remaining = sum(len(o) for o in orders)
-    while remaining:
+    out: list[tuple] = []
+    while len(out) < sum(map(len, orders)):
         progressed = False
         for d in range(pp):
-            order, timeline = orders[d], out[d]
-            while at[d] < len(order):
-                kind, chunk, mb = order[at[d]]
+            while at[d] < len(orders[d]):
+                kind, chunk, mb = entry = orders[d][at[d]]
                 stage = chunk * pp + d
                 if kind == FORWARD:
-                    if stage == 0:
-                        ready = 0.0
-                    else:
-                        ready = forward_end.get((stage - 1, mb))
-                        if ready is None:
-                            break
-                        ready += transfer_ns
+                    waits, moved = ((FORWARD, stage - 1, mb), True) if stage else (None, False)
                 elif stage == last:
-                    ready = forward_end.get((stage, mb))
-                    if ready is None:
-                        break
+                    waits, moved = (FORWARD, stage, mb), False
                 else:
-                    ready = backward_end.get((stage + 1, mb))
-                    if ready is None:
-                        break
-                    ready += transfer_ns
-                start = free[d] if free[d] > ready else ready
-                end = start + (forward_ns if kind == FORWARD else backward_ns)[d][chunk]
-                (forward_end if kind == FORWARD else backward_end)[(stage, mb)] = end
-                timeline.append((kind, chunk, mb, start, end))
-                free[d] = end
+                    waits, moved = (BACKWARD, stage + 1, mb), True
+                if waits is not None and waits not in placed:
+                    break
+                placed[(kind, stage, mb)] = len(out)
+                slot = (0 if kind == FORWARD else pp * vpp) + d * vpp + chunk
+                out.append((d, placed[waits] if waits else -1, moved, slot, entry))
                 at[d] += 1
-                remaining -= 1
                 progressed = True
         if not progressed:
             raise RuntimeError("pipeline schedule deadlocked")  # Megatron's orders never do
-    return out
+    return tuple(out)
