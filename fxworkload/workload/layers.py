@@ -2,7 +2,7 @@
 
 A transformer repeats one decoder layer L times. When every layer of the model is structurally
 identical (same module types, parameter shapes and settings, ignoring the layer index), the same
-model is captured with 4 and with 5 layers instead. Each table is prefix (embeddings) + one block
+model is captured with 2 and with 3 layers instead. Each table is prefix (embeddings) + one block
 of rows per layer + suffix (final norm, head, loss). The first and last layers may differ from the
 middle ones in backward (the gradient of a layer's input is summed over its two uses, and that
 add belongs to the layer below). When the two captures agree (same prefix, suffix, first and last
@@ -28,7 +28,7 @@ from ..capture.attention import GpuTarget
 from ..capture.trace import capture_training_step
 from .table import GradRow, Workload, build
 
-SHORT_LAYERS = (3, 4)
+SHORT_LAYERS = (2, 3)  # the fewest with a middle layer, and a second copy to check it and the peaks against
 _SKIPPED_ATTRIBUTES = re.compile(r"layer_idx|layer_id|layer_number|layer_index|training")
 
 
@@ -36,7 +36,7 @@ def fast_workload(spec, model: torch.nn.Module, batch: int, seq: int, dtype: tor
                   grad_dtype: torch.dtype, gpu: GpuTarget | None = None,
                   prepare: Callable[[torch.nn.Module], torch.nn.Module] = lambda m: m,
                   execution_stack: str = "eager") -> Workload | None:
-    """The device-free table of the full model from 4- and 5-layer captures, or None if layers differ.
+    """The device-free table of the full model from 2- and 3-layer captures, or None if layers differ.
     ``prepare`` turns each freshly built short model into what is traced (one parallel rank's share)."""
     from ..capture.models import setting  # transformers: only when capturing
 
@@ -49,7 +49,7 @@ def fast_workload(spec, model: torch.nn.Module, batch: int, seq: int, dtype: tor
     tables = [_split(short.rows, stack, n) for short, n in zip(shorts, SHORT_LAYERS)]
     if any(table is None for table in tables) or not _consistent(tables, stack):
         return None
-    prefix, blocks, suffix = tables[0]
+    prefix, blocks, suffix = tables[-1]
     middle = [row for i in range(1, layers - 1) for row in _renumbered(blocks[1], stack, 1, i)]
     last = _renumbered(blocks[-1], stack, len(blocks) - 1, layers - 1)
     return Workload.of_rows(prefix + blocks[0] + middle + last + suffix, grad_dtype,
@@ -58,7 +58,7 @@ def fast_workload(spec, model: torch.nn.Module, batch: int, seq: int, dtype: tor
 
 
 def _extrapolated(shorts: list[Workload], figure: str, layers: int) -> int:
-    """Identical layers add the same to a peak: it grows by the 5-layer copy's excess per layer."""
+    """Identical layers add the same to a peak: it grows by the 3-layer copy's excess per layer."""
     low, high = (getattr(short, figure) for short in shorts)
     return low + (layers - SHORT_LAYERS[0]) * (high - low)
 
@@ -74,8 +74,10 @@ def _short_workload(spec, layers, batch, seq, dtype, grad_dtype, gpu, prepare, e
 
 
 def _consistent(tables, stack: str) -> bool:
+    """The captures agree: the same prefix, suffix, first and last layer, and every middle layer the longer
+    copy's first middle one, up to the layer index."""
     (prefix_a, blocks_a, suffix_a), (prefix_b, blocks_b, suffix_b) = tables
-    middle = _normalized(blocks_a[1], stack, 1)
+    middle = _normalized(blocks_b[1], stack, 1)
     return (_normalized(prefix_a, stack, 0) == _normalized(prefix_b, stack, 0)
             and _normalized(suffix_a, stack, 0) == _normalized(suffix_b, stack, 0)
             and _normalized(blocks_a[0], stack, 0) == _normalized(blocks_b[0], stack, 0)

@@ -16,7 +16,7 @@ from fxworkload.formats.tables import json_text, tsv_text
 
 from ..conftest import tiny_config
 
-LAYERS = 7  # more than the 5 the fast path captures, so that middle layers are re-emitted
+LAYERS = 7  # more than the 3 the fast path captures, so that middle layers are re-emitted
 
 
 def _texts(result) -> tuple[str, str]:
