@@ -21,6 +21,7 @@ engine for a sweep that outgrows one machine): each shape is one task.
 from __future__ import annotations
 
 import contextlib
+import gc
 import hashlib
 import importlib
 import itertools
@@ -120,22 +121,42 @@ def _divisors(n: int) -> list[int]:
 
 
 def evaluate_shape(model: str, shape: Shape, layouts: list, seq: int, dtype: str, device: str,
-                   stack: str = "eager", grad_dtype: str | None = None, fp8: bool = False) -> list[dict]:
-    """Capture (or read from the cache) one rank shape and evaluate each of its layouts."""
-    from .cluster.step import cluster_step
+                   stack: str = "eager", grad_dtype: str | None = None, fp8: bool = False,
+                   time_unfit: bool = True) -> list[dict]:
+    """Capture (or read from the cache) one rank shape and evaluate each of its layouts: its memory first,
+    then, where it fits (or with ``time_unfit``), its step. A layout that does not fit gets no step figures
+    (None): a plan ranks only those that fit, and most layouts of a large model do not."""
+    with _cycles_collected_after():
+        return _evaluate_shape(model, shape, layouts, seq, dtype, device, stack, grad_dtype or dtype, fp8, time_unfit)
+
+
+@contextlib.contextmanager
+def _cycles_collected_after():
+    """Python's cyclic garbage collector paused while a shape is captured and evaluated, and the garbage
+    made meanwhile (the capture's graph cycles) collected after: each automatic full collection scans every
+    object torch, transformers and the captured tables hold (over a million), and they took half of a layout
+    search's time."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.collect(0)  # what the shape made: the objects older than it are not scanned again
+        if enabled:
+            gc.enable()
+
+
+def _evaluate_shape(model, shape, layouts, seq, dtype, device, stack, grad_dtype, fp8, time_unfit) -> list[dict]:
     from .dtypes import DTYPES
-    from .parallel.memory import rank_memory
     from .parallel.recompute import with_recompute
     from .pipeline import extract
 
     first = layouts[0]
-    grad_dtype = grad_dtype or dtype
     base = extract(model, batch=shape.micro_batch, seq=seq, dtype=dtype, grad_dtype=grad_dtype, device=device,
                    stack=stack, fp8=fp8, rank_view=False,
                    parallel=replace(first, pp=1, vpp=1, pp_layers=None, micro_batches=1, zero=0, recompute="none",
                                     recompute_layers=None))
     facts, captured, profile, seq = base.facts, base.workload, base.device, base.seq_per_rank
-    saved_bytes = captured.saved_bytes
     recomputed, steps = {}, {}
     rows = []
     for p in layouts:
@@ -144,30 +165,54 @@ def evaluate_shape(model: str, shape: Shape, layouts: list, seq: int, dtype: str
             layer_input = shape.micro_batch * seq * facts.hidden * DTYPES[dtype].itemsize // (p.tp if p.sp else 1)
             recomputed[key] = with_recompute(captured, p, facts.stack, facts.layers, layer_input)
         workload, regenerated = recomputed[key]
+        peak = _peak_bytes(facts, workload, captured, p, shape.micro_batch, seq, dtype, grad_dtype, regenerated, profile)
+        fits = peak <= profile.memory_capacity_bytes if profile.memory_capacity_bytes else None
+        row = {"device": profile.name, "tp": p.tp, "cp": p.cp, "pp": p.pp,
+               "pp_layers": list(p.pp_layers) if p.pp_layers else None, "dp": p.dp, "ep": p.ep, "sp": p.sp,
+               "vpp": p.vpp, "zero": p.zero, "fp8": fp8, "recompute": p.recompute,
+               "recompute_layers": p.recompute_layers, "micro_batch": shape.micro_batch,
+               "micro_batches": p.micro_batches, "peak_bytes": peak, "fits": fits}
+        if fits is False and not time_unfit:
+            rows.append(row | dict.fromkeys(STEP_FIGURES))
+            continue
         # ZeRO 1 and 2 run the same collectives at the same points (a reduce-scatter per bucket, the updated
-        # parameters' all-gather): one step; they differ in what each rank keeps (rank_memory below)
+        # parameters' all-gather): one step; they differ in what each rank keeps (its memory above)
         same_step = (key, replace(p, zero=1) if p.zero == 2 else p)
         if same_step not in steps:
-            steps[same_step] = cluster_step(facts, workload, captured, p, shape.micro_batch, seq, dtype, grad_dtype,
-                                            profile)
-        step = steps[same_step]
-        peak = 0
-        for d in sorted({0, p.pp - 1}):  # the first stage holds the most micro-batches, the last the head
-            memory = rank_memory(replace(p, stage=d), step.device_units[d], workload, dtype, grad_dtype, saved_bytes,
-                                 regenerated, profile.memory_capacity_bytes)
-            peak = max(peak, memory.total_peak_bytes)
-        rows.append({"device": profile.name, "tp": p.tp, "cp": p.cp, "pp": p.pp,
-                     "pp_layers": list(p.pp_layers) if p.pp_layers else None, "dp": p.dp, "ep": p.ep, "sp": p.sp,
-                     "vpp": p.vpp, "zero": p.zero, "fp8": fp8, "parts_ms": _parts_ms(step),
-                     "recompute": p.recompute, "recompute_layers": p.recompute_layers, "micro_batch": shape.micro_batch, "micro_batches": p.micro_batches,
-                     "step_ms": step.step_ns / 1e6, "mfu": step.mfu, "hfu": step.hfu,
-                     "step_low_ms": (step.step_interval_ns or (step.step_ns,) * 2)[0] / 1e6,
-                     "step_high_ms": (step.step_interval_ns or (step.step_ns,) * 2)[1] / 1e6,
-                     "tflops_per_gpu": step.tflops_per_gpu, "tokens_per_s_per_gpu": step.tokens_per_s_per_gpu,
-                     "bubble": step.bubble_fraction, "peak_bytes": peak,
-                     "exposed_gather_ms": step.exposed_ns["zero3_gather"] / 1e6,
-                     "fits": peak <= profile.memory_capacity_bytes if profile.memory_capacity_bytes else None})
+            steps[same_step] = _step(facts, workload, captured, p, shape.micro_batch, seq, dtype, grad_dtype, profile)
+        rows.append(row | steps[same_step])
     return rows
+
+
+# a layout's step figures: None for one that does not fit where only those that fit are timed
+STEP_FIGURES = ("parts_ms", "step_ms", "mfu", "hfu", "step_low_ms", "step_high_ms", "tflops_per_gpu",
+                "tokens_per_s_per_gpu", "bubble", "exposed_gather_ms")
+
+
+def _peak_bytes(facts, workload, captured, p, micro_batch, seq, dtype, grad_dtype, regenerated, profile) -> int:
+    """The layout's memory at its peak: the first stage holds the most micro-batches, the last the head."""
+    from .parallel.memory import rank_memory
+    from .parallel.rank import model_parallel_chunks
+
+    peak = 0
+    for d in sorted({0, p.pp - 1}):
+        units = [u for chunk in model_parallel_chunks(facts, workload, p, d, micro_batch, seq, dtype) for u in chunk]
+        memory = rank_memory(replace(p, stage=d), units, workload, dtype, grad_dtype, captured.saved_bytes,
+                             regenerated, profile.memory_capacity_bytes)
+        peak = max(peak, memory.total_peak_bytes)
+    return peak
+
+
+def _step(facts, workload, captured, p, micro_batch, seq, dtype, grad_dtype, profile) -> dict:
+    from .cluster.step import cluster_step
+
+    step = cluster_step(facts, workload, captured, p, micro_batch, seq, dtype, grad_dtype, profile)
+    low, high = step.step_interval_ns or (step.step_ns,) * 2
+    figures = {"parts_ms": _parts_ms(step), "step_ms": step.step_ns / 1e6, "mfu": step.mfu, "hfu": step.hfu,
+               "step_low_ms": low / 1e6, "step_high_ms": high / 1e6, "tflops_per_gpu": step.tflops_per_gpu,
+               "tokens_per_s_per_gpu": step.tokens_per_s_per_gpu, "bubble": step.bubble_fraction,
+               "exposed_gather_ms": step.exposed_ns["zero3_gather"] / 1e6}
+    return figures
 
 
 def _parts_ms(step) -> dict[str, float]:
@@ -450,7 +495,10 @@ def _evaluate_indexed(item: tuple) -> tuple[int, list[dict]]:
 
 def _evaluate(task: tuple) -> list[dict]:
     model, (device, shape), layouts, seq, dtype, stack, fp8 = task
-    return evaluate_shape(model, shape, layouts, seq, dtype, device, stack, fp8=fp8)
+    rows = evaluate_shape(model, shape, layouts, seq, dtype, device, stack, fp8=fp8, time_unfit=False)
+    if not gc.isenabled():  # a pool's worker (_worker_start): what this task keeps is not scanned again
+        gc.freeze()
+    return rows
 
 
 def _worker_start() -> None:
@@ -476,6 +524,11 @@ def _worker_start() -> None:
     # torch and transformers now, while the parent reads the model's facts, not with the first task
     for module in ("fxworkload.pipeline", "fxworkload.capture.models"):
         importlib.import_module(module)
+    # The worker's objects (torch's, transformers', the shapes' tables its caches keep) are long-lived: the
+    # cyclic collector runs only on what each task makes (_cycles_collected_after), never over them.
+    gc.collect()
+    gc.freeze()
+    gc.disable()
 
 
 def _die_with_parent() -> None:

@@ -58,6 +58,20 @@ def test_a_shapes_rows_are_the_cluster_step_of_each_layout(four_layers, cp):
                     parallel=Parallel(**{**vars(p), "stage": s})).memory.total_peak_bytes for s in (0, 1))
 
 
+def test_a_layout_that_does_not_fit_is_not_timed():
+    """Llama 3 70B on 64 H100s (80 GB): ZeRO 0 keeps every weight's 2 + 2 + 12 bytes (over 1 TB) on each
+    GPU, ZeRO 3 a 64th (17.6 GB). A plan (time_unfit=False) leaves the first's step figures empty and gives
+    the second the same row as timing every layout does."""
+    from fxworkload.plan import STEP_FIGURES
+
+    layouts = [Parallel(dp=64, micro_batches=1, zero=zero) for zero in (0, 3)]
+    timed = evaluate_shape("llama-3-70b", Shape(1, 1, 1), layouts, 16, "bf16", "h100-sxm")
+    untimed = evaluate_shape("llama-3-70b", Shape(1, 1, 1), layouts, 16, "bf16", "h100-sxm", time_unfit=False)
+    assert [row["fits"] for row in timed] == [False, True]
+    assert timed[0]["peak_bytes"] > 70e9 * 16 and timed[0]["step_ms"] > 0
+    assert untimed[0] == timed[0] | dict.fromkeys(STEP_FIGURES) and untimed[1] == timed[1]
+
+
 def test_plan_ranks_by_step_time_and_keeps_what_fits(four_layers):
     result = plan(four_layers, gpus=4, global_batch=8, seq=16, workers=1)
     ranked = result["ranked"]

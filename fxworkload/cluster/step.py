@@ -30,7 +30,7 @@ from ..parallel.collectives import ALLGATHER, REDUCESCATTER, data_parallel_units
 from ..parallel.facts import ModelFacts
 from ..parallel.layout import Parallel
 from ..parallel.memory import ADAM_BYTES_PER_PARAMETER
-from ..parallel.rank import model_chunks, model_parallel_chunks, split_once
+from ..parallel.rank import MODEL_PARALLEL_FIELDS, model_chunks, model_parallel_chunks, split_once
 from ..parallel.units import Comm, Unit, is_expert
 from ..workload.table import Workload
 from .network import comm_ns, p2p_ns
@@ -213,7 +213,6 @@ def cluster_step(facts: ModelFacts, workload: Workload, model_workload: Workload
 # A layout search evaluates many layouts that differ only in what leaves a device's passes unchanged
 # (data-parallel degree, ZeRO stage, micro-batch count): their passes are computed once.
 _PASSES = Memo(4096)
-MODEL_PARALLEL_FIELDS = ("pp", "vpp", "pp_layers", "tp", "sp", "cp", "cp_comm", "ep", "vocab_multiple")
 
 
 def _device_passes(facts, workload, model_workload, p: Parallel, d: int, micro_batch: int, seq: int, dtype: str,

@@ -38,39 +38,46 @@ def stage_units(units: list[Unit], stage_layers: range, first: bool, last: bool)
 def add_model_parallel(units: list[Unit], p: Parallel, micro_batch: int, seq: int, hidden: int,
                        act_itemsize: int, top_k: int, rank_kv_bytes: int = 0) -> None:
     """Attach the tensor-, context- and expert-parallel collectives to each unit, in the order they run.
-    ``seq``: the rank's tokens (seq / cp); ``rank_kv_bytes``: one layer's keys and values on this rank."""
+    ``seq``: the rank's tokens (seq / cp); ``rank_kv_bytes``: one layer's keys and values on this rank.
+    Units of one kind share the same (frozen) Comm objects."""
     act = micro_batch * seq * hidden * act_itemsize
     tokens = micro_batch * seq // (p.tp if p.sp else 1)
     cp_forward, cp_backward = cp_comms(p, rank_kv_bytes)
+    tp_comms = _tp_comms(p, act, micro_batch * seq * LOSS_BYTES_PER_TOKEN) if p.tp > 1 else {}
+    routed = tokens * top_k * hidden * act_itemsize
+    ep_comms = [[Comm(ALLTOALL, "ep", routed, f"token {what} ({phase})") for what in ("dispatch", "combine")]
+                for phase in ("forward", "backward")] if p.ep > 1 else None
     for unit in units:
         fwd, bwd = unit.comms[FORWARD], unit.comms[INPUT_GRAD]
         if cp_forward and unit.core_ns and unit.core_ns[FORWARD]:  # before the block's own collectives: mid-block
             fwd.extend(cp_forward)
             bwd.extend(cp_backward)
-        if p.tp > 1:
-            if unit.block == EMBEDDING:
-                fwd.append(Comm(REDUCESCATTER if p.sp else ALLREDUCE, "tp", act, "vocab-parallel embedding output"))
-                if p.sp:
-                    bwd.append(Comm(ALLGATHER, "tp", act, "embedding output gradient"))
-            elif unit.block == HEAD:
-                if p.sp:
-                    fwd.append(Comm(ALLGATHER, "tp", act, "head input (sequence-parallel)"))
-                loss = micro_batch * seq * LOSS_BYTES_PER_TOKEN
-                fwd.extend(Comm(ALLREDUCE, "tp", loss, f"vocab-parallel cross entropy: {what}")
-                           for what in ("max logit", "target logit", "sum of exponentials"))
-                bwd.append(Comm(REDUCESCATTER if p.sp else ALLREDUCE, "tp", act, "head input gradient"))
-            elif p.sp:
-                fwd.extend([Comm(ALLGATHER, "tp", act, "block input (sequence-parallel)"),
-                            Comm(REDUCESCATTER, "tp", act, "row-parallel output")])
-                bwd.extend([Comm(ALLGATHER, "tp", act, "row-parallel output gradient"),
-                            Comm(REDUCESCATTER, "tp", act, "column-parallel input gradient")])
-            else:
-                fwd.append(Comm(ALLREDUCE, "tp", act, "row-parallel output"))
-                bwd.append(Comm(ALLREDUCE, "tp", act, "column-parallel input gradient"))
-        if p.ep > 1 and unit.moe:
-            routed = tokens * top_k * hidden * act_itemsize
-            for comms, phase in ((fwd, "forward"), (bwd, "backward")):
-                comms.extend(Comm(ALLTOALL, "ep", routed, f"token {what} ({phase})") for what in ("dispatch", "combine"))
+        if tp_comms:
+            forward, backward = tp_comms[unit.block if unit.block in (EMBEDDING, HEAD) else None]
+            fwd.extend(forward)
+            bwd.extend(backward)
+        if ep_comms and unit.moe:
+            fwd.extend(ep_comms[0])
+            bwd.extend(ep_comms[1])
+
+
+def _tp_comms(p: Parallel, act: int, loss: int) -> dict[str | None, tuple[list[Comm], list[Comm]]]:
+    """(forward, backward) tensor-parallel collectives of the embedding, the head and a decoder block (None)."""
+    if p.sp:
+        block = ([Comm(ALLGATHER, "tp", act, "block input (sequence-parallel)"),
+                  Comm(REDUCESCATTER, "tp", act, "row-parallel output")],
+                 [Comm(ALLGATHER, "tp", act, "row-parallel output gradient"),
+                  Comm(REDUCESCATTER, "tp", act, "column-parallel input gradient")])
+    else:
+        block = ([Comm(ALLREDUCE, "tp", act, "row-parallel output")],
+                 [Comm(ALLREDUCE, "tp", act, "column-parallel input gradient")])
+    embedding = ([Comm(REDUCESCATTER if p.sp else ALLREDUCE, "tp", act, "vocab-parallel embedding output")],
+                 [Comm(ALLGATHER, "tp", act, "embedding output gradient")] if p.sp else [])
+    head = ([Comm(ALLGATHER, "tp", act, "head input (sequence-parallel)")] if p.sp else []) + [
+        Comm(ALLREDUCE, "tp", loss, f"vocab-parallel cross entropy: {what}")
+        for what in ("max logit", "target logit", "sum of exponentials")]
+    return {EMBEDDING: embedding, HEAD: (head, [Comm(REDUCESCATTER if p.sp else ALLREDUCE, "tp", act,
+                                                      "head input gradient")]), None: block}
 
 
 def cp_comms(p: Parallel, rank_kv_bytes: int) -> tuple[list[Comm], list[Comm]]:

@@ -59,7 +59,7 @@ def rank_memory(p: Parallel, rank_units: list, workload: Workload, dtype: str, g
     grad_size = DTYPES[grad_dtype].itemsize
     in_flight_chunks = _chunks_in_flight(p)
     in_flight = -(-in_flight_chunks // p.vpp)
-    saved = sum(row.saved_bytes for u in units for row in u.rows)
+    saved = sum(u.saved() for u in units)
     dropped = captured_saved_bytes - workload.saved_bytes  # saves that recomputation gave up
     transient = max(workload.activation_peak_bytes - captured_saved_bytes, 0) + regenerated_bytes
     states = model_state_bytes(dense, expert, dtype, grad_dtype, p.zero, p.replicas, p.ep)

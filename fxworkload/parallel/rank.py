@@ -8,7 +8,6 @@ collectives and tied gradients to the copies.
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, replace
 
 from ..capture.trace import FORWARD, INPUT_GRAD, WEIGHT_GRAD
@@ -56,10 +55,23 @@ def device_chunks(facts: ModelFacts, workload: Workload, p: Parallel, device: in
                                        workload.fp8_modules)
 
 
+# A layout search asks for the same device's chunks under every ZeRO stage, data-parallel degree and
+# micro-batch count (and again for its memory): they are made once; the chunks returned are not to be changed.
+_CHUNKS = Memo(4096)
+MODEL_PARALLEL_FIELDS = ("pp", "vpp", "pp_layers", "tp", "sp", "cp", "cp_comm", "ep", "vocab_multiple")
+
+
 def model_parallel_chunks(facts: ModelFacts, workload: Workload, p: Parallel, device: int, micro_batch: int,
                           seq: int, dtype: str) -> list[list[Unit]]:
     """Device ``device``'s model chunks with their tensor-, context- and expert-parallel collectives:
     what the data-parallel degree, ZeRO and the micro-batch count leave unchanged."""
+    key = (id(workload), device, micro_batch, seq, dtype, *(getattr(p, name) for name in MODEL_PARALLEL_FIELDS))
+    return _CHUNKS.get(key, (workload,), lambda: _model_parallel_chunks(facts, workload, p, device, micro_batch, seq,
+                                                                         dtype))
+
+
+def _model_parallel_chunks(facts: ModelFacts, workload: Workload, p: Parallel, device: int, micro_batch: int,
+                           seq: int, dtype: str) -> list[list[Unit]]:
     units = split_once(facts, workload)
     chunks = [[_fresh(u) for u in chunk] for chunk in model_chunks(facts, units, p, device)]
     mine = [u for chunk in chunks for u in chunk]
@@ -95,12 +107,14 @@ def _split_with_costs(facts: ModelFacts, workload: Workload) -> list[Unit]:
             ops = u.ops(ph)
             u.costs[ph] = (sum(op.estimated_ns for op in ops), sum(op.flops for op in ops))
             u.core_ns[ph] = sum(op.estimated_ns for op in ops if op.sdpa_backend)
+        u.saved_bytes = sum(row.saved_bytes for row in u.rows)
     return units
 
 
 def _fresh(unit: Unit) -> Unit:
     """A copy a layout may attach its collectives and tied gradients to."""
-    fresh = copy.copy(unit)  # not dataclasses.replace: a layout search makes thousands of these
+    fresh = object.__new__(Unit)  # not dataclasses.replace or copy.copy: a layout search makes thousands
+    fresh.__dict__.update(unit.__dict__)
     fresh.grads = list(unit.grads)
     fresh.comms = {FORWARD: [], INPUT_GRAD: [], WEIGHT_GRAD: []}
     return fresh

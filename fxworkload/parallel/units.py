@@ -8,6 +8,7 @@ a tensor-parallel plan a layer is one unit. The gradient rows of a unit's parame
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -38,6 +39,10 @@ class Unit:
     comms: dict[str, list[Comm]] = field(default_factory=lambda: {phase: [] for phase in PHASES})
     costs: dict[str, tuple[float, int]] | None = None  # phase -> (ns, flops), summed once for a layout search
     core_ns: dict[str, float] | None = None  # phase -> its attention core's time (what CP's ring overlaps)
+    saved_bytes: int | None = None  # its rows' saved activations, summed once with ``costs``
+
+    def saved(self) -> int:
+        return self.saved_bytes if self.saved_bytes is not None else sum(row.saved_bytes for row in self.rows)
 
     def ops(self, phase: str) -> list:
         return [op for row in self.rows for op in row.ops(phase)]
@@ -93,6 +98,7 @@ def split(workload: Workload, stack: str | None, row_parallel: list[str]) -> lis
     return units
 
 
+@functools.lru_cache(maxsize=1 << 16)  # asked of the same few thousand paths for every layout of a search
 def is_expert(module: str) -> bool:
     """Whether a module path lies in a mixture-of-experts layer's expert weights."""
     return "experts" in module.split(".")
