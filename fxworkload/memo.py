@@ -18,11 +18,11 @@ class Memo:
         self.limit = limit
         self.held: dict[Hashable, tuple[tuple, Any]] = {}
 
-    def get(self, key: Hashable, keep: tuple, make: Callable[[], Any]) -> Any:
-        """The answer for ``key``, made once; ``keep``: the objects whose ids are in the key."""
+    def get(self, key: Hashable, keep: tuple, make: Callable[..., Any], *args) -> Any:
+        """The answer for ``key``, made once as ``make(*args)``; ``keep``: the objects whose ids are in the key."""
         held = self.held.get(key)
         if held is None:
             if len(self.held) >= self.limit:
                 self.held.clear()
-            held = self.held[key] = (keep, make())
+            held = self.held[key] = (keep, make(*args))
         return held[1]

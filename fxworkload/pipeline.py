@@ -268,15 +268,13 @@ def _capture(model, batch, seq, dtype, grad_dtype, gpu, every_layer, say, parall
     from .capture.trace import capture_training_step
     from .cost.flops import register_transformers_ops
     from .parallel import tensor_parallel
-    from .parallel.facts import model_facts
     from .workload.layers import SHORT_LAYERS, fast_workload
     from .workload.table import build
 
     spec = _with_padded_vocab(models.resolve(model), parallel.vocab_multiple, parallel.tp)
     seq = step_seq(spec, seq)
     check_sequence(parallel, seq * parallel.cp)
-    module = models.build_meta_model(spec, DTYPES[dtype])
-    facts = model_facts(spec, module)
+    facts, stack_alike = _built_facts(spec, dtype)
     check_parallel(parallel, facts)  # before any progress line: a bad layout is the only thing said
     say(f"built {spec.name} on the meta device ({dtype})")
 
@@ -285,17 +283,38 @@ def _capture(model, batch, seq, dtype, grad_dtype, gpu, every_layer, say, parall
 
     register_transformers_ops()
     if not every_layer and facts.layers > max(SHORT_LAYERS):
-        say(f"capturing one training step (batch {batch}, seq {seq}) of {SHORT_LAYERS[0]}- and {SHORT_LAYERS[1]}-layer copies...")
-        # The whole model is sharded only if it is traced: its layers are alike sharded or not.
-        workload = fast_workload(spec, module, batch, seq, DTYPES[dtype], DTYPES[grad_dtype], gpu, prepare, stack)
-        if workload is not None:
-            return workload, seq, facts
+        if stack_alike is not None:
+            say(f"capturing one training step (batch {batch}, seq {seq}) of {SHORT_LAYERS[0]}- and {SHORT_LAYERS[1]}-layer copies...")
+            workload = fast_workload(spec, stack_alike, batch, seq, DTYPES[dtype], DTYPES[grad_dtype], gpu, prepare,
+                                     stack)
+            if workload is not None:
+                return workload, seq, facts
         say("its layers differ: capturing every layer...")
     else:
         say(f"capturing one training step (batch {batch}, seq {seq}), every layer...")
-    module = prepare(module)
+    module = prepare(models.build_meta_model(spec, DTYPES[dtype]))
     capture = capture_training_step(module, batch, seq, gpu=gpu)
     return build(capture, module, None, DTYPES[grad_dtype], stack), seq, facts
+
+
+# A layout search captures many rank shapes of one model in a process: its whole meta model is built once,
+# for its facts and whether one layer may stand for all (the fast path captures short copies instead).
+_BUILT: dict[tuple, tuple[ModelFacts, str | None]] = {}
+
+
+def _built_facts(spec, dtype: str) -> tuple[ModelFacts, str | None]:
+    """The model's facts and ``uniform_stack``, from the whole model built on the meta device."""
+    from .capture import models
+    from .parallel.facts import model_facts
+    from .workload.layers import uniform_stack
+
+    key = (spec.name, spec.task, spec.config.to_json_string(use_diff=False), dtype)
+    if key not in _BUILT:
+        module = models.build_meta_model(spec, DTYPES[dtype])
+        if len(_BUILT) >= 16:
+            _BUILT.clear()
+        _BUILT[key] = model_facts(spec, module), uniform_stack(spec, module)
+    return _BUILT[key]
 
 
 def _with_padded_vocab(spec, vocab_multiple: int, tp: int):

@@ -126,22 +126,21 @@ def evaluate_shape(model: str, shape: Shape, layouts: list, seq: int, dtype: str
     """Capture (or read from the cache) one rank shape and evaluate each of its layouts: its memory first,
     then, where it fits (or with ``time_unfit``), its step. A layout that does not fit gets no step figures
     (None): a plan ranks only those that fit, and most layouts of a large model do not."""
-    with _cycles_collected_after():
+    with _collector_paused():
         return _evaluate_shape(model, shape, layouts, seq, dtype, device, stack, grad_dtype or dtype, fp8, time_unfit)
 
 
 @contextlib.contextmanager
-def _cycles_collected_after():
-    """Python's cyclic garbage collector paused while a shape is captured and evaluated, and the garbage
-    made meanwhile (the capture's graph cycles) collected after: each automatic full collection scans every
-    object torch, transformers and the captured tables hold (over a million), and they took half of a layout
-    search's time."""
+def _collector_paused():
+    """Python's cyclic garbage collector paused while a shape is captured and evaluated: each of its
+    automatic collections scans the objects made since the last (the capture's graph, the tables, the
+    units and steps the search's caches keep: hundreds of thousands a shape) and they took half of a
+    layout search's time; what they would free is a few MB a shape (the capture's graph cycles)."""
     enabled = gc.isenabled()
     gc.disable()
     try:
         yield
     finally:
-        gc.collect(0)  # what the shape made: the objects older than it are not scanned again
         if enabled:
             gc.enable()
 
@@ -242,16 +241,19 @@ def plan(model: str, gpus: int, global_batch: int, seq: int, device: str = "h100
         _probe(ray)  # a wrong address is said now, even when every shape is read from the cache
     _raw_config(model)  # an unknown model is said before any worker starts
     with contextlib.ExitStack() as stack_of_resources:
-        # A model not seen before will be captured: the workers start (and import torch) while the
-        # model's facts are read here, instead of after.
+        # A model not seen before will be captured: the workers start at once, and the first one ready
+        # reads the model's facts (this process never imports torch, which the workers have anyway).
         early = (stack_of_resources.enter_context(_pool(workers or os.cpu_count() or 1))
                  if ray is None and not _facts_cached(model, dtype) else None)
         return _plan(model, gpus, global_batch, seq, dtype, workers, ray, progress, stack, cps, fp8, profiles, early)
 
 
 def _plan(model, gpus, global_batch, seq, dtype, workers, ray, progress, stack, cps, fp8, profiles, early) -> dict:
-    with _signals_held():
-        facts = _facts(model, dtype)
+    if early is not None:
+        facts = early.apply(_facts, (model, dtype))
+    else:
+        with _signals_held():
+            facts = _facts(model, dtype)
     groups, dropped = {}, {}
     for profile in profiles:
         found, turned = candidate_layouts(gpus, global_batch, facts, profile.gpus_per_node, seq, cps)
@@ -479,7 +481,8 @@ def _pool(count: int):
         sys.warnoptions.append(quiet)  # passed to the tracker as -W when it starts
     # Pool.__exit__ terminates the workers: Ctrl-C, SIGTERM (Terminated) or an error here ends them at once.
     # Spawned, not forked: a fork of this threaded process (torch's, the caller's threads) can inherit a
-    # lock another thread held and hang in the child.
+    # lock another thread held and hang in the child. (A fork server that imports torch once and forks the
+    # workers from it starts them no sooner on two cores, where the spawned workers import side by side.)
     return multiprocessing.get_context("spawn").Pool(count, initializer=_worker_start)
 
 
@@ -495,10 +498,7 @@ def _evaluate_indexed(item: tuple) -> tuple[int, list[dict]]:
 
 def _evaluate(task: tuple) -> list[dict]:
     model, (device, shape), layouts, seq, dtype, stack, fp8 = task
-    rows = evaluate_shape(model, shape, layouts, seq, dtype, device, stack, fp8=fp8, time_unfit=False)
-    if not gc.isenabled():  # a pool's worker (_worker_start): what this task keeps is not scanned again
-        gc.freeze()
-    return rows
+    return evaluate_shape(model, shape, layouts, seq, dtype, device, stack, fp8=fp8, time_unfit=False)
 
 
 def _worker_start() -> None:
@@ -521,13 +521,10 @@ def _worker_start() -> None:
         os._exit(1)
 
     threading.Thread(target=watch, daemon=True).start()
-    # torch and transformers now, while the parent reads the model's facts, not with the first task
+    # torch and transformers now, not with the first task
     for module in ("fxworkload.pipeline", "fxworkload.capture.models"):
         importlib.import_module(module)
-    # The worker's objects (torch's, transformers', the shapes' tables its caches keep) are long-lived: the
-    # cyclic collector runs only on what each task makes (_cycles_collected_after), never over them.
-    gc.collect()
-    gc.freeze()
+    # A worker lives for one plan: its cyclic garbage (a few MB per shape: _collector_paused) goes with it.
     gc.disable()
 
 

@@ -85,8 +85,8 @@ def tree_all_reduce_ns(nbytes: float, ranks: int, nodes: int, device: DeviceProf
 
 def comm_ns(comm: Comm, p: Parallel, device: DeviceProfile) -> float:
     ranks, nodes = group_layout(comm.group, p, device.gpus_per_node)
-    return _TIMES.get((comm.type, comm.bytes, ranks, nodes, id(device)), (device,),
-                      lambda: collective_ns(comm.type, comm.bytes, ranks, nodes, device))
+    return _TIMES.get((comm.type, comm.bytes, ranks, nodes, id(device)), (device,), collective_ns, comm.type,
+                      comm.bytes, ranks, nodes, device)  # no closure per call: asked ~a million times a search
 
 
 # a layout search times the same collective (a gradient bucket, a layer's all-gather) on the same group

@@ -139,9 +139,7 @@ def cluster_step(facts: ModelFacts, workload: Workload, model_workload: Workload
         backward.append(list(backward_ns))
         comm.append(blocking)
         flops.append(device_flops)
-        mine = [u for chunk in chunks for u in chunk]
-        layouts.append((chunks, data_parallel_units(mine, p, DTYPES[grad_dtype].itemsize, DTYPES[dtype].itemsize,
-                                                    workload.fp8_modules)))
+        layouts.append((chunks, _with_data_parallel(chunks, p, grad_dtype, dtype, workload.fp8_modules)))
     zero3 = [(0.0, 0.0)] * p.pp  # per device: one forward and one backward pass's gather time
     zero3_exposed, zero3_trailing = [0.0] * p.pp, [0.0] * p.pp
     if p.zero == 3:  # gathers and reduce-scatters per FSDP unit on a stream beside the compute (zero3.py)
@@ -179,7 +177,7 @@ def cluster_step(facts: ModelFacts, workload: Workload, model_workload: Workload
             layouts[d][0], workload, device)
         gather = sum(comm_ns(c, p, device) for u in layouts[d][1] if u.block == "dp" for c in u.comms[WEIGHT_GRAD]
                      if c.type == ALLGATHER) if p.zero in (1, 2) else 0.0
-        compute = sum(x[4] - x[3] for x in mine)
+        compute = p.micro_batches * (sum(forward[d]) + sum(backward[d]))  # every micro-batch through each chunk
         end = max(pipeline_end, dp_end) + optimizer + gather
         devices.append(DeviceSummary(device=d, compute_ns=compute, blocking_comm_ns=comm[d],
                                      pipeline_end_ns=pipeline_end, data_parallel_end_ns=dp_end,
@@ -238,6 +236,18 @@ def _device_passes_of(facts, workload, model_workload, p: Parallel, d: int, micr
             backward_by_unit)
 
 
+_DP_UNITS = Memo(4096)
+
+
+def _with_data_parallel(chunks: list[list[Unit]], p: Parallel, grad_dtype: str, dtype: str,
+                        fp8_modules: frozenset) -> list[Unit]:
+    """The device's units with its data-parallel rows (data_parallel_units), once per chunks and data-parallel
+    side (the chunks are the memoised ones of _device_passes); the list returned is not to be changed."""
+    key = (id(chunks), p.replicas, p.dp, p.ep, p.zero, p.bucket_mb, p.fp8_param_gather, grad_dtype, dtype)
+    return _DP_UNITS.get(key, (chunks,), lambda: data_parallel_units(
+        [u for chunk in chunks for u in chunk], p, DTYPES[grad_dtype].itemsize, DTYPES[dtype].itemsize, fp8_modules))
+
+
 def _interval_ratio(workload: Workload) -> tuple[float, float]:
     totals = workload.totals
     if "step_low_ns" not in totals or not totals["step_estimated_ns"]:
@@ -286,10 +296,12 @@ def _data_parallel(layout, mine: list[tuple], p: Parallel, device: DeviceProfile
     time with its blocking collectives."""
     chunks, with_dp = layout
     chunk_of = {id(u): c for c, units in enumerate(chunks) for u in units}
-    done = {}
-    for kind, chunk, _, start, _ in mine:
-        if kind == BACKWARD:
-            done[chunk] = start  # passes are in order: the last one stays
+    done = {}  # each chunk's last backward's start: the passes are in time order, read from the end
+    for kind, chunk, _, start, _ in reversed(mine):
+        if kind == BACKWARD and chunk not in done:
+            done[chunk] = start
+            if len(done) == len(chunks):
+                break
     free, ready, spans = 0.0, 0.0, []
     for unit in reversed(with_dp):
         if unit.block != "dp":
@@ -311,7 +323,15 @@ def _bucket_slowdown(spans: list[tuple], mine: list[tuple], share_lost: float) -
     hold (zero3.py), over the time a bucket and a backward pass overlap (the stream model of ZeRO 3,
     applied to DDP's and ZeRO 1/2's buckets). Both lists are in time order and do not overlap
     among themselves: one sweep."""
-    passes = [(start, end) for kind, _, _, start, end in mine if kind == BACKWARD]
+    if not spans:
+        return 0.0
+    passes = []  # the backward passes that end after the first bucket starts, in time order
+    for kind, _, _, start, end in reversed(mine):
+        if end <= spans[0][1]:
+            break
+        if kind == BACKWARD:
+            passes.append((start, end))
+    passes.reverse()
     overlap, first = 0.0, 0
     for _, start, end, _ in spans:
         while first < len(passes) and passes[first][1] <= start:

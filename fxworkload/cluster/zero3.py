@@ -66,12 +66,15 @@ def simulate_pass(groups: list[Group], share_lost: float) -> PassTimeline:
     if groups:
         ready[0] = issue(0.0, groups[0].gather_ns)
     end = exposed = slowdown = 0.0
+    first = 0  # the first collective still running: one stream, so they end in issue order, and start only grows
     for i, group in enumerate(groups):
         start = max(end, ready[i])
         exposed += start - end
         if i + 1 < len(groups):
             ready[i + 1] = issue(start, groups[i + 1].gather_ns)
-        busy = sum(max(0.0, min(e, start + group.compute_ns) - max(s, start)) for s, e in stream)
+        while first < len(stream) and stream[first][1] <= start:
+            first += 1
+        busy = sum(max(0.0, min(e, start + group.compute_ns) - max(s, start)) for s, e in stream[first:])
         lost = share_lost * busy
         end = start + group.compute_ns + lost
         slowdown += lost

@@ -19,7 +19,6 @@ from __future__ import annotations
 import copy
 import functools
 import re
-from dataclasses import replace
 from collections.abc import Callable
 
 import torch
@@ -32,18 +31,28 @@ SHORT_LAYERS = (2, 3)  # the fewest with a middle layer, and a second copy to ch
 _SKIPPED_ATTRIBUTES = re.compile(r"layer_idx|layer_id|layer_number|layer_index|training")
 
 
-def fast_workload(spec, model: torch.nn.Module, batch: int, seq: int, dtype: torch.dtype,
-                  grad_dtype: torch.dtype, gpu: GpuTarget | None = None,
-                  prepare: Callable[[torch.nn.Module], torch.nn.Module] = lambda m: m,
-                  execution_stack: str = "eager") -> Workload | None:
-    """The device-free table of the full model from 2- and 3-layer captures, or None if layers differ.
-    ``prepare`` turns each freshly built short model into what is traced (one parallel rank's share)."""
+def uniform_stack(spec, model: torch.nn.Module) -> str | None:
+    """The path of the model's decoder layers where one layer may stand for all (more layers than the
+    short copies, every one alike), else None."""
     from ..capture.models import setting  # transformers: only when capturing
 
     layers = setting(spec.config, "num_hidden_layers", 0)
     stack = layer_stack(model, layers)
     if layers <= max(SHORT_LAYERS) or stack is None or not homogeneous(model.get_submodule(stack)):
         return None
+    return stack
+
+
+def fast_workload(spec, stack: str, batch: int, seq: int, dtype: torch.dtype,
+                  grad_dtype: torch.dtype, gpu: GpuTarget | None = None,
+                  prepare: Callable[[torch.nn.Module], torch.nn.Module] = lambda m: m,
+                  execution_stack: str = "eager") -> Workload | None:
+    """The device-free table of the full model from 2- and 3-layer captures, or None if they disagree.
+    ``stack``: ``uniform_stack``'s; ``prepare`` turns each freshly built short model into what is traced
+    (one parallel rank's share)."""
+    from ..capture.models import setting  # transformers: only when capturing
+
+    layers = setting(spec.config, "num_hidden_layers", 0)
     shorts = [_short_workload(spec, n, batch, seq, dtype, grad_dtype, gpu, prepare, execution_stack)
               for n in SHORT_LAYERS]
     tables = [_split(short.rows, stack, n) for short, n in zip(shorts, SHORT_LAYERS)]
@@ -171,7 +180,7 @@ def _renumbered(block: list, stack: str, old: int, new: int) -> list:
     path, name = _renamer(stack, old, new)
     return [GradRow(name=name(r.name), module=path(r.module), parameters=[path(p) for p in r.parameters],
                     elements=r.elements, bytes=r.bytes) if isinstance(r, GradRow)
-            else replace(r, name=name(r.name), module=path(r.module)) for r in block]
+            else r.renamed(name(r.name), path(r.module)) for r in block]
 
 
 def _normalized(block: list, stack: str, layer: int) -> list:

@@ -69,6 +69,11 @@ class NodeRow:
                        self.saved_bytes if saved_bytes is None else saved_bytes,
                        self.selective_saved_bytes if selective_saved_bytes is None else selective_saved_bytes)
 
+    def renamed(self, name: str, module: str) -> NodeRow:
+        """This row under another name and module (the fast path's layer copies), as ``with_ops`` does."""
+        return NodeRow(name, module, self.forward, self.input_grad, self.weight_grad, self.saved_bytes,
+                       self.selective_saved_bytes)
+
     def ops(self, phase: str) -> list[OpCost]:
         """This row's ops of one phase: its forward op, or the backward ops autograd ran for it."""
         if phase == FORWARD:

@@ -44,7 +44,8 @@ def test_fast_path_table_is_byte_identical_to_the_full_trace(deep_dirs, model_ty
     assert _texts(fast) == _texts(full)
     spec = models.resolve(str(deep_dirs[model_type]))
     model = models.build_meta_model(spec, torch.float32)
-    assert layers.fast_workload(spec, model, 2, 16, torch.float32, torch.float32) is not None
+    stack = layers.uniform_stack(spec, model)
+    assert stack is not None and layers.fast_workload(spec, stack, 2, 16, torch.float32, torch.float32) is not None
 
 
 def test_layers_that_differ_are_traced_one_by_one(tmp_path):
@@ -56,7 +57,7 @@ def test_layers_that_differ_are_traced_one_by_one(tmp_path):
     config.save_pretrained(tmp_path)
     spec = models.resolve(str(tmp_path))
     model = models.build_meta_model(spec, torch.float32)
-    assert layers.fast_workload(spec, model, 1, 16, torch.float32, torch.float32) is None
+    assert layers.uniform_stack(spec, model) is None
     assert _texts(extract(str(tmp_path), seq=16, use_cache=False)) == \
         _texts(extract(str(tmp_path), seq=16, use_cache=False, every_layer=True))
 
