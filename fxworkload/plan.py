@@ -36,6 +36,7 @@ import threading
 from dataclasses import asdict, dataclass, replace
 
 from .errors import UserError
+from .memo import Memo
 from .limits import MAX_GLOBAL_BATCH, MAX_MICRO_BATCHES, MAX_WORLD, check_count
 from .progress import heartbeat, on_terminal
 
@@ -188,6 +189,9 @@ STEP_FIGURES = ("parts_ms", "step_ms", "mfu", "hfu", "step_low_ms", "step_high_m
                 "tokens_per_s_per_gpu", "bubble", "exposed_gather_ms")
 
 
+_FLAT = Memo(4096)  # a device's units in one list, once per chunks: rank_memory sums each list once
+
+
 def _peak_bytes(facts, workload, captured, p, micro_batch, seq, dtype, grad_dtype, regenerated, profile) -> int:
     """The layout's memory at its peak: the first stage holds the most micro-batches, the last the head."""
     from .parallel.memory import rank_memory
@@ -195,7 +199,8 @@ def _peak_bytes(facts, workload, captured, p, micro_batch, seq, dtype, grad_dtyp
 
     peak = 0
     for d in sorted({0, p.pp - 1}):
-        units = [u for chunk in model_parallel_chunks(facts, workload, p, d, micro_batch, seq, dtype) for u in chunk]
+        chunks = model_parallel_chunks(facts, workload, p, d, micro_batch, seq, dtype)
+        units = _FLAT.get(id(chunks), (chunks,), lambda: [u for chunk in chunks for u in chunk])
         memory = rank_memory(replace(p, stage=d), units, workload, dtype, grad_dtype, captured.saved_bytes,
                              regenerated, profile.memory_capacity_bytes)
         peak = max(peak, memory.total_peak_bytes)
@@ -205,7 +210,7 @@ def _peak_bytes(facts, workload, captured, p, micro_batch, seq, dtype, grad_dtyp
 def _step(facts, workload, captured, p, micro_batch, seq, dtype, grad_dtype, profile) -> dict:
     from .cluster.step import cluster_step
 
-    step = cluster_step(facts, workload, captured, p, micro_batch, seq, dtype, grad_dtype, profile)
+    step = cluster_step(facts, workload, captured, p, micro_batch, seq, dtype, grad_dtype, profile, alike=True)
     low, high = step.step_interval_ns or (step.step_ns,) * 2
     figures = {"parts_ms": _parts_ms(step), "step_ms": step.step_ns / 1e6, "mfu": step.mfu, "hfu": step.hfu,
                "step_low_ms": low / 1e6, "step_high_ms": high / 1e6, "tflops_per_gpu": step.tflops_per_gpu,

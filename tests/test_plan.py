@@ -58,6 +58,26 @@ def test_a_shapes_rows_are_the_cluster_step_of_each_layout(four_layers, cp):
                     parallel=Parallel(**{**vars(p), "stage": s})).memory.total_peak_bytes for s in (0, 1))
 
 
+def test_devices_holding_alike_layers_share_their_figures(tmp_path):
+    """Eight Llama layers on four stages: the fast path's first and last layers differ from the six middle
+    ones, so devices 1 and 2 (layers 2-3 and 4-5) are alike and the search (alike=True) times device 2
+    with device 1's units; every row still equals its own extract, where each device has its own."""
+    from fxworkload.cluster.step import _alike_devices
+
+    tiny_config("llama", num_hidden_layers=8).save_pretrained(tmp_path)
+    model = str(tmp_path)
+    layouts = [Parallel(tp=2, sp=True, pp=4, dp=1, micro_batches=8, zero=zero, vpp=vpp)
+               for zero in (0, 3) for vpp in (1, 2)]
+    rows = evaluate_shape(model, Shape(2, 1, 1), layouts, 16, "bf16", "h100-sxm")
+    base = extract(model, batch=1, seq=16, dtype="bf16", device="h100-sxm", rank_view=False,
+                   parallel=Parallel(tp=2, sp=True))
+    assert _alike_devices(base.facts, base.workload, base.workload, layouts[0]) == [0, 1, 1, 3]
+    for row, p in zip(rows, layouts):
+        result = extract(model, batch=1, seq=16, dtype="bf16", device="h100-sxm", parallel=p)
+        assert row["step_ms"] == pytest.approx(result.cluster.step_ns / 1e6, rel=1e-12)
+        assert row["bubble"] == pytest.approx(result.cluster.bubble_fraction, rel=1e-12)
+
+
 def test_a_layout_that_does_not_fit_is_not_timed():
     """Llama 3 70B on 64 H100s (80 GB): ZeRO 0 keeps every weight's 2 + 2 + 12 bytes (over 1 TB) on each
     GPU, ZeRO 3 a 64th (17.6 GB). A plan (time_unfit=False) leaves the first's step figures empty and gives

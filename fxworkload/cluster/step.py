@@ -28,7 +28,7 @@ from ..dtypes import DTYPES
 from ..memo import Memo
 from ..parallel.collectives import ALLGATHER, REDUCESCATTER, data_parallel_units, parameter_bytes
 from ..parallel.facts import ModelFacts
-from ..parallel.layout import Parallel
+from ..parallel.layout import Parallel, virtual_stage_layers
 from ..parallel.memory import ADAM_BYTES_PER_PARAMETER
 from ..parallel.rank import MODEL_PARALLEL_FIELDS, model_chunks, model_parallel_chunks, split_once
 from ..parallel.units import Comm, Unit, is_expert
@@ -126,14 +126,17 @@ class ClusterStep:
 
 
 def cluster_step(facts: ModelFacts, workload: Workload, model_workload: Workload, p: Parallel, micro_batch: int,
-                 seq: int, dtype: str, grad_dtype: str, device: DeviceProfile) -> ClusterStep:
+                 seq: int, dtype: str, grad_dtype: str, device: DeviceProfile, alike: bool = False) -> ClusterStep:
     """``workload``: the step as it runs (recomputation applied); ``model_workload``: as captured,
-    for the model's FLOPs."""
+    for the model's FLOPs. ``alike``: devices whose chunks hold as many layers each, where every layer
+    costs the same, share one device's units (a layout search's figures: the step's units then name
+    that device's layers)."""
     p = replace(p, stage=0)
+    standing_for = _alike_devices(facts, workload, model_workload, p) if alike else range(p.pp)
     forward, backward, comm, flops, layouts, unit_backward = [], [], [], [], [], []
     for d in range(p.pp):
         chunks, forward_ns, backward_ns, blocking, device_flops, backward_by_unit = _device_passes(
-            facts, workload, model_workload, p, d, micro_batch, seq, dtype, device)
+            facts, workload, model_workload, p, standing_for[d], micro_batch, seq, dtype, device)
         unit_backward.append(backward_by_unit)
         forward.append(list(forward_ns))
         backward.append(list(backward_ns))
@@ -173,10 +176,7 @@ def cluster_step(facts: ModelFacts, workload: Workload, model_workload: Workload
             pipeline_end += slowed[d]
             dp_end = max(dp_end, pipeline_end)
         spans += [(d, *span) for span in dp_spans]
-        optimizer = _optimizer_ns(layouts[d][0], p, dtype, grad_dtype, device) + _fp8_weight_cast_ns(
-            layouts[d][0], workload, device)
-        gather = sum(comm_ns(c, p, device) for u in layouts[d][1] if u.block == "dp" for c in u.comms[WEIGHT_GRAD]
-                     if c.type == ALLGATHER) if p.zero in (1, 2) else 0.0
+        optimizer, gather = _after_the_passes(layouts[d], workload, p, dtype, grad_dtype, device)
         compute = p.micro_batches * (sum(forward[d]) + sum(backward[d]))  # every micro-batch through each chunk
         end = max(pipeline_end, dp_end) + optimizer + gather
         devices.append(DeviceSummary(device=d, compute_ns=compute, blocking_comm_ns=comm[d],
@@ -208,6 +208,41 @@ def cluster_step(facts: ModelFacts, workload: Workload, model_workload: Workload
                        interval_ratio=_interval_ratio(model_workload))
 
 
+def _alike_devices(facts: ModelFacts, workload: Workload, model_workload: Workload, p: Parallel) -> list[int]:
+    """Per device, the first device whose chunks hold layers of the same kinds in the same order, neither
+    holding the embedding or the head: its passes, gradient buckets, ZeRO-3 groups and optimizer step
+    stand for this device's (the fast path's middle layers are all of one kind)."""
+    kinds = tuple(zip(_layer_kinds(facts, workload), _layer_kinds(facts, model_workload)))
+    ranges = virtual_stage_layers(p, facts.layers)
+    first: dict[tuple, int] = {}
+    out = []
+    for d in range(p.pp):
+        signature = (d == 0, d == p.pp - 1, tuple(tuple(kinds[layer] for layer in ranges[c * p.pp + d])
+                                                   for c in range(p.vpp)))
+        out.append(first.setdefault(signature, d))
+    return out
+
+
+_KINDS = Memo(256)
+
+
+def _layer_kinds(facts: ModelFacts, workload: Workload) -> list[int]:
+    """Per decoder layer, a number shared by the layers whose units cost, save, communicate and hold
+    gradients alike (-1 for one without units)."""
+    def make() -> list[int]:
+        layers: dict[int, list] = {}
+        for u in split_once(facts, workload):
+            if u.layer is not None:
+                layers.setdefault(u.layer, []).append((
+                    u.block, u.moe, tuple(sorted(u.costs.items())), tuple(sorted(u.core_ns.items())), u.saved_bytes,
+                    tuple((g.elements, g.bytes, is_expert(g.module), g.module in workload.fp8_modules)
+                          for g in u.grads)))
+        numbered: dict[tuple, int] = {}
+        return [numbered.setdefault(tuple(layers[i]), len(numbered)) if i in layers else -1
+                for i in range(facts.layers)]
+    return _KINDS.get(id(workload), (workload,), make)
+
+
 # A layout search evaluates many layouts that differ only in what leaves a device's passes unchanged
 # (data-parallel degree, ZeRO stage, micro-batch count): their passes are computed once.
 _PASSES = Memo(4096)
@@ -229,21 +264,38 @@ def _device_passes_of(facts, workload, model_workload, p: Parallel, d: int, micr
     captured_chunks = model_chunks(facts, split_once(facts, model_workload), p, d)
     forward_passes = [_pass(c, FORWARD, p, device) for c in chunks]
     backward_passes = [_pass(c, INPUT_GRAD, p, device) for c in chunks]
-    backward_by_unit = {id(u): sum(u.costs[ph][0] for ph in (INPUT_GRAD, WEIGHT_GRAD)) + sum(
-        exposed_comm_ns(u, x, INPUT_GRAD, p, device) for x in u.comms[INPUT_GRAD]) for c in chunks for u in c}
+    backward_by_unit = {id(u): sum(u.costs[ph][0] for ph in (INPUT_GRAD, WEIGHT_GRAD)) + _comms_ns(u, INPUT_GRAD, p, device)
+                        for c in chunks for u in c}
     return (chunks, tuple(ns for ns, _ in forward_passes), tuple(ns for ns, _ in backward_passes),
             _blocking_comm(forward_passes + backward_passes), (_flops(captured_chunks), _flops(chunks)),
             backward_by_unit)
 
 
 _DP_UNITS = Memo(4096)
+_AFTER = Memo(4096)
+
+
+def _after_the_passes(layout: tuple, workload: Workload, p: Parallel, dtype: str, grad_dtype: str,
+                      device: DeviceProfile) -> tuple[float, float]:
+    """A device's optimizer step (with the FP8 weights' cast) and, under ZeRO 1/2, its updated parameters'
+    gathers: once per device and data-parallel side in a layout search (its units are the memoised ones)."""
+    chunks, with_dp = layout
+    key = (id(chunks), id(with_dp), id(workload), id(device), p.zero, p.replicas, p.dp, p.ep, dtype, grad_dtype)
+
+    def make() -> tuple[float, float]:
+        optimizer = _optimizer_ns(chunks, p, dtype, grad_dtype, device) + _fp8_weight_cast_ns(chunks, workload, device)
+        gather = sum(comm_ns(c, p, device) for u in with_dp if u.block == "dp" for c in u.comms[WEIGHT_GRAD]
+                     if c.type == ALLGATHER) if p.zero in (1, 2) else 0.0
+        return optimizer, gather
+    return _AFTER.get(key, (chunks, with_dp, workload, device), make)
 
 
 def _with_data_parallel(chunks: list[list[Unit]], p: Parallel, grad_dtype: str, dtype: str,
                         fp8_modules: frozenset) -> list[Unit]:
     """The device's units with its data-parallel rows (data_parallel_units), once per chunks and data-parallel
     side (the chunks are the memoised ones of _device_passes); the list returned is not to be changed."""
-    key = (id(chunks), p.replicas, p.dp, p.ep, p.zero, p.bucket_mb, p.fp8_param_gather, grad_dtype, dtype)
+    zero_rows = 0 if p.zero == 0 else 3 if p.zero == 3 else 1  # ZeRO 1 and 2 issue the same rows
+    key = (id(chunks), p.replicas, p.dp, p.ep, zero_rows, p.bucket_mb, p.fp8_param_gather, grad_dtype, dtype)
     return _DP_UNITS.get(key, (chunks,), lambda: data_parallel_units(
         [u for chunk in chunks for u in chunk], p, DTYPES[grad_dtype].itemsize, DTYPES[dtype].itemsize, fp8_modules))
 
@@ -262,8 +314,15 @@ def _pass(units: list[Unit], phase: str, p: Parallel, device: DeviceProfile) -> 
     by_group: dict[str, float] = {}
     for u in units:
         for c in u.comms[phase]:
-            by_group[c.group] = by_group.get(c.group, 0.0) + exposed_comm_ns(u, c, phase, p, device)
+            by_group[c.group] = by_group.get(c.group, 0.0) + (
+                exposed_comm_ns(u, c, phase, p, device) if c.overlapped else comm_ns(c, p, device))
     return compute + sum(by_group.values()), by_group
+
+
+def _comms_ns(unit: Unit, phase: str, p: Parallel, device: DeviceProfile) -> float:
+    """The time a unit's pass waits on its collectives of ``phase``."""
+    return sum(exposed_comm_ns(unit, c, phase, p, device) if c.overlapped else comm_ns(c, p, device)
+               for c in unit.comms[phase])
 
 
 def exposed_comm_ns(unit: Unit, comm: Comm, phase: str, p: Parallel, device: DeviceProfile) -> float:
@@ -366,7 +425,7 @@ def _zero3_groups_of(units: list[Unit], phase: str, p: Parallel, device: DeviceP
     for members in layers.values():
         phases = (FORWARD,) if phase == FORWARD else (INPUT_GRAD, WEIGHT_GRAD)
         compute = sum(u.costs[ph][0] for u in members for ph in phases) + sum(
-            exposed_comm_ns(u, c, phase, p, device) for u in members for c in u.comms[phase])
+            _comms_ns(u, phase, p, device) for u in members)
         shards: dict[str, list] = {"dp": [], "dp_ep": []}
         for g in (g for u in members for g in u.grads):
             shards["dp_ep" if is_expert(g.module) and p.ep > 1 else "dp"].append(g)

@@ -113,8 +113,9 @@ def data_parallel_units(units: list[Unit], p: Parallel, grad_itemsize: int, para
     grads = [g for u in units for g in u.grads]
     # the rows name their group, not its size: layouts that differ only in dp share them
     gathered_fp8 = fp8_modules if p.fp8_param_gather else frozenset()
+    zero_rows = 0 if p.zero == 0 else 3 if p.zero == 3 else 1  # ZeRO 1 and 2 issue the same rows
     key = (tuple(map(id, grads)), tuple(len(u.grads) for u in units), p.replicas > 1, p.dp // p.ep > 1, p.ep > 1,
-           p.zero, p.bucket_mb, grad_itemsize, param_itemsize, gathered_fp8)
+           zero_rows, p.bucket_mb, grad_itemsize, param_itemsize, gathered_fp8)
     top, before = _DP_ROWS.get(key, tuple(grads), lambda: _data_parallel_rows(units, p, grad_itemsize, param_itemsize,
                                                                              gathered_fp8))
     out = list(top)

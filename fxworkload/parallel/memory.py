@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from ..dtypes import DTYPES
+from ..memo import Memo
 from .layout import Parallel
 from .units import is_expert
 from ..workload.table import Workload
@@ -53,13 +54,11 @@ def rank_memory(p: Parallel, rank_units: list, workload: Workload, dtype: str, g
     """The memory of the rank ``p`` (its stage) whose units are ``rank_units``; ``workload`` as the
     step runs (recomputation applied); ``captured_saved_bytes`` what the captured step saved before
     recomputation; ``regenerated_bytes`` what one layer's recomputed forward re-creates in backward."""
-    units = [u for u in rank_units if u.block != "dp"]
-    expert = sum(g.elements for u in units for g in u.grads if is_expert(g.module))
-    dense = sum(g.elements for u in units for g in u.grads) - expert
+    expert, dense, saved, fp8_here, elements = _UNIT_TOTALS.get(
+        (id(rank_units), workload.fp8_modules), (rank_units,), _unit_totals, rank_units, workload.fp8_modules)
     grad_size = DTYPES[grad_dtype].itemsize
     in_flight_chunks = _chunks_in_flight(p)
     in_flight = -(-in_flight_chunks // p.vpp)
-    saved = sum(u.saved() for u in units)
     dropped = captured_saved_bytes - workload.saved_bytes  # saves that recomputation gave up
     transient = max(workload.activation_peak_bytes - captured_saved_bytes, 0) + regenerated_bytes
     states = model_state_bytes(dense, expert, dtype, grad_dtype, p.zero, p.replicas, p.ep)
@@ -71,7 +70,6 @@ def rank_memory(p: Parallel, rank_units: list, workload: Workload, dtype: str, g
     # shard (the gathered unit's FP8 weights are transient, as its 16-bit ones are). With --fp8-param-gather
     # under ZeRO 1/2 (Megatron-LM) the weights themselves are kept in FP8: 1 byte less each, and only the
     # transposes beside them
-    fp8_here = sum(g.elements for u in units for g in u.grads if g.module in workload.fp8_modules)
     fp8_weights = 2 * fp8_here // (p.replicas if p.zero == 3 else 1)
     if p.fp8_param_gather and p.zero in (1, 2):
         states = (states[0] - fp8_here * (DTYPES[dtype].itemsize - 1), *states[1:])
@@ -79,12 +77,26 @@ def rank_memory(p: Parallel, rank_units: list, workload: Workload, dtype: str, g
     # one stage: the captured step is this rank's own, less what recomputation gives up; a stage of
     # several: its parts, added
     step_peak = workload.step_peak_bytes - dropped + regenerated_bytes if p.pp == 1 else (
-        saved + transient + sum(g.elements for u in units for g in u.grads) * grad_size)
+        saved + transient + elements * grad_size)
     return RankMemory(parameters_bytes=states[0], gradients_bytes=states[1], optimizer_bytes=states[2],
                       activations_bytes=activations, transient_bytes=transient, step_peak_bytes=step_peak,
                       total_peak_bytes=sum(states) + gathered + fp8_weights + activations + transient,
                       micro_batches_in_flight=in_flight, capacity_bytes=capacity_bytes, gathered_parameters_bytes=gathered,
                       fp8_weights_bytes=fp8_weights)
+
+
+# a layout search asks for the memory of the same device's units under every ZeRO stage and schedule
+_UNIT_TOTALS = Memo(4096)
+
+
+def _unit_totals(rank_units: list, fp8_modules: frozenset) -> tuple[int, int, int, int, int]:
+    """(expert, dense) parameters, saved bytes, FP8 linear weights and all parameters of the units (the
+    data-parallel rows left out)."""
+    units = [u for u in rank_units if u.block != "dp"]
+    elements = sum(g.elements for u in units for g in u.grads)
+    expert = sum(g.elements for u in units for g in u.grads if is_expert(g.module))
+    fp8_here = sum(g.elements for u in units for g in u.grads if g.module in fp8_modules)
+    return expert, elements - expert, sum(u.saved() for u in units), fp8_here, elements
 
 
 def _chunks_in_flight(p) -> int:
