@@ -4,11 +4,12 @@ Two plans (issue 29's): Llama 3 70B on 1,024 H100s (global batch 1,024 x 4,096 t
 405B on 16,384 H100s at 131,072 tokens with context parallelism (1 to 16) and FP8 in the space
 (global batch 128 sequences, 16M tokens, as the Llama 3 paper's long-context stage). Each runs once
 with an empty cache (a fresh FXWORKLOAD_CACHE_DIR: every shape captured) and once more warm (the
-same command: captures, facts and evaluated rows read from the cache). Measure on an idle machine:
-the process pool uses every core.
+same command: captures, facts and evaluated rows read from the cache); with ``--runs N`` each cold
+run N times (a fresh cache each), the median quoted with the fastest and slowest. Measure on an idle
+machine: the process pool uses every core.
 
     .venv/bin/python bench/plan_speed.py
-    .venv/bin/python bench/plan_speed.py --only 70b
+    .venv/bin/python bench/plan_speed.py --only 70b --runs 5
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -50,24 +52,26 @@ def timed(args: list[str], cache: Path, out: Path) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", default=None, help="70b or 405b-cp-fp8")
-    wanted = parser.parse_args().only
+    parser.add_argument("--runs", type=int, default=1, help="cold runs per plan (the median is quoted)")
+    args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="fxworkload-plan-speed-"))
     rows = []
-    for name, args in plans(root).items():
-        if wanted and name != wanted:
+    for name, plan_args in plans(root).items():
+        if args.only and name != args.only:
             continue
-        cache, out = root / f"cache-{name}", root / f"out-{name}"
-        cold = timed(args, cache, out)
-        warm = timed(args, cache, root / f"out-{name}-warm")
+        out = root / f"out-{name}"
+        colds = [timed(plan_args, root / f"cache-{name}-{run}", out) for run in range(max(args.runs, 1))]
+        warm = timed(plan_args, root / f"cache-{name}-0", root / f"out-{name}-warm")
         result = json.loads((out / "plan.json").read_text())
         same = (out / "plan.json").read_bytes() == (root / f"out-{name}-warm" / "plan.json").read_bytes()
         best = result["ranked"][0] if result["ranked"] else None
-        rows.append([name, result["evaluated"], result["shapes"], f"{cold:.1f}", f"{result['evaluated'] / cold:,.0f}",
-                     f"{warm:.2f}", f"{result['evaluated'] / warm:,.0f}", "yes" if same else "NO",
-                     _describe(best)])
+        cold = statistics.median(colds)
+        rows.append([name, result["evaluated"], result["shapes"], f"{cold:.1f}",
+                     f"{min(colds):.1f}-{max(colds):.1f} ({len(colds)} runs)", f"{result['evaluated'] / cold:,.0f}",
+                     f"{warm:.2f}", f"{result['evaluated'] / warm:,.0f}", "yes" if same else "NO", _describe(best)])
         print(" | ".join(map(str, rows[-1])), file=sys.stderr, flush=True)
-    print(tabulate(rows, headers=["plan", "layouts", "shapes", "cold_s", "cold_layouts_per_s", "warm_s",
-                                  "warm_layouts_per_s", "warm_identical", "best"], tablefmt="github"))
+    print(tabulate(rows, headers=["plan", "layouts", "shapes", "cold_s (median)", "cold_s range", "cold_layouts_per_s",
+                                  "warm_s", "warm_layouts_per_s", "warm_identical", "best"], tablefmt="github"))
     print(f"\n{os.cpu_count()} cores")
 
 
