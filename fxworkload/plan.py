@@ -526,8 +526,10 @@ def _worker_start() -> None:
         os._exit(1)
 
     threading.Thread(target=watch, daemon=True).start()
-    # torch and transformers now, not with the first task
-    for module in ("fxworkload.pipeline", "fxworkload.capture.models"):
+    # torch and transformers now, not with the first task: both workers import side by side while the
+    # model's facts wait for one of them (transformers' modeling_utils alone is about a second: what
+    # building any model imports lazily, torch.distributed.tensor among it)
+    for module in ("fxworkload.pipeline", "fxworkload.capture.models", "transformers.modeling_utils"):
         importlib.import_module(module)
     # A worker lives for one plan: its cyclic garbage (a few MB per shape: _collector_paused) goes with it.
     gc.disable()
