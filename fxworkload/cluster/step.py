@@ -441,15 +441,15 @@ def _zero3_groups_of(units: list[Unit], phase: str, p: Parallel, device: DeviceP
 
 
 def _fp8_weight_cast_ns(chunks: list[list[Unit]], workload: Workload, device: DeviceProfile) -> float:
-    """--fp8: the device's weights cast to FP8 (with their transposes) once per step after the optimizer
-    (Transformer Engine keeps them for every micro-batch of the next step): its share of the model's FP8 weights."""
-    if not workload.fp8_weight_elements or not workload.parameter_count:
+    """--fp8: the device's FP8 linear weights cast (with their transposes) once per step after the optimizer
+    (Transformer Engine keeps them for every micro-batch of the next step): the same weights its memory
+    holds FP8 copies of (parallel/memory.py)."""
+    if not workload.fp8_modules:
         return 0.0
     from ..workload.fp8 import CAST_BYTES_PER_ELEMENT
 
-    mine = sum(g.elements for units in chunks for u in units for g in u.grads) / workload.parameter_count
-    nbytes = workload.fp8_weight_elements * mine * CAST_BYTES_PER_ELEMENT
-    return memory_ns(nbytes, device.gpu_facts(), device.gpu_model(), casts=True)
+    elements = sum(g.elements for units in chunks for u in units for g in u.grads if g.module in workload.fp8_modules)
+    return memory_ns(elements * CAST_BYTES_PER_ELEMENT, device.gpu_facts(), device.gpu_model(), casts=True)
 
 
 def _optimizer_ns(chunks: list[list[Unit]], p: Parallel, dtype: str, grad_dtype: str, device: DeviceProfile) -> float:

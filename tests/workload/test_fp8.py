@@ -104,3 +104,21 @@ def test_fp8_parameter_gathers_move_a_byte_per_linear_weight(tiny_dirs):
     with pytest.raises(UserError, match="--zero 1, 2 or 3"):
         extract(str(tiny_dirs["llama"]), seq=16, dtype="bf16", device="h100-sxm", fp8=True,
                 parallel=Parallel(dp=2, fp8_param_gather=True))
+
+
+def test_each_stage_casts_the_fp8_weights_it_holds(tiny_dirs):
+    """Two pipeline stages, one decoder layer each: after the optimizer each casts its own layer's linear
+    weights (read 2 bytes, write the FP8 copy and its transpose: 4 bytes a weight), whatever else the stage
+    holds (the embedding on the first, the head on the last: not cast)."""
+    from fxworkload.cost.gpu import memory_ns
+    from fxworkload.parallel.layout import Parallel
+
+    def run(fp8):
+        return extract(str(tiny_dirs["llama"]), batch=2, seq=32, dtype="bf16", device="h100-sxm", fp8=fp8,
+                       parallel=Parallel(pp=2, micro_batches=2))
+
+    plain, fp8 = run(False), run(True)
+    h100 = load("h100-sxm")
+    per_layer = memory_ns(LINEAR_WEIGHTS // LAYERS * 4, h100.gpu_facts(), h100.gpu_model(), casts=True)
+    for before, after in zip(plain.cluster.devices, fp8.cluster.devices):
+        assert after.optimizer_ns - before.optimizer_ns == pytest.approx(per_layer, rel=1e-9)
