@@ -313,26 +313,30 @@ def _pass(units: list[Unit], phase: str, p: Parallel, device: DeviceProfile) -> 
     compute = sum(u.costs[ph][0] for u in units for ph in phases)
     by_group: dict[str, float] = {}
     for u in units:
-        for c in u.comms[phase]:
-            by_group[c.group] = by_group.get(c.group, 0.0) + (
-                exposed_comm_ns(u, c, phase, p, device) if c.overlapped else comm_ns(c, p, device))
+        for group, ns in exposed_comms_ns(u, phase, p, device).items():
+            by_group[group] = by_group.get(group, 0.0) + ns
     return compute + sum(by_group.values()), by_group
 
 
 def _comms_ns(unit: Unit, phase: str, p: Parallel, device: DeviceProfile) -> float:
     """The time a unit's pass waits on its collectives of ``phase``."""
-    return sum(exposed_comm_ns(unit, c, phase, p, device) if c.overlapped else comm_ns(c, p, device)
-               for c in unit.comms[phase])
+    return sum(exposed_comms_ns(unit, phase, p, device).values())
 
 
-def exposed_comm_ns(unit: Unit, comm: Comm, phase: str, p: Parallel, device: DeviceProfile) -> float:
-    """A collective's time the pass waits for: all of it, or for one overlapped with the unit's attention
-    core (CP's ring) what outlasts the core."""
-    ns = comm_ns(comm, p, device)
-    if not comm.overlapped:
-        return ns
-    core = sum(unit.core_ns[ph] for ph in ((FORWARD,) if phase == FORWARD else (INPUT_GRAD, WEIGHT_GRAD)))
-    return max(ns - core, 0.0)
+def exposed_comms_ns(unit: Unit, phase: str, p: Parallel, device: DeviceProfile) -> dict[str, float]:
+    """Per group, the time a unit's pass of ``phase`` waits on its collectives: the blocking ones whole;
+    those overlapped with the unit's attention core (CP's ring: in backward its key/value steps and the
+    key/value gradients' both run beside the one core, on the same links) what their sum outlasts it by."""
+    out: dict[str, float] = {}
+    overlapped: dict[str, float] = {}
+    for c in unit.comms[phase]:
+        into = overlapped if c.overlapped else out
+        into[c.group] = into.get(c.group, 0.0) + comm_ns(c, p, device)
+    if overlapped:
+        core = sum(unit.core_ns[ph] for ph in ((FORWARD,) if phase == FORWARD else (INPUT_GRAD, WEIGHT_GRAD)))
+        for group, ns in overlapped.items():
+            out[group] = out.get(group, 0.0) + max(ns - core, 0.0)
+    return out
 
 
 def _blocking_comm(passes: list[tuple[float, dict[str, float]]]) -> dict[str, float]:

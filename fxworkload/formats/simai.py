@@ -27,7 +27,7 @@ What SimAI 1.6 does with the file (aliyun/SimAI f5efb5a9, astra-sim-alibabacloud
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..capture.trace import PHASES
@@ -114,10 +114,10 @@ def _rows(unit: Unit, p, device) -> list[SimaiRow]:
 
 
 def _context_parallel_ns(unit: Unit, phase: str, p, device) -> float:
-    from ..cluster.step import exposed_comm_ns
+    from ..cluster.step import exposed_comms_ns
 
-    cp = [c for c in unit.comms[phase] if c.group == "cp"]
-    return sum(exposed_comm_ns(unit, c, phase, p, device) for c in cp) if cp else 0.0
+    cp_only = replace(unit, comms={phase: [c for c in unit.comms[phase] if c.group == "cp"]})
+    return exposed_comms_ns(cp_only, phase, p, device).get("cp", 0.0) if cp_only.comms[phase] else 0.0
 
 
 def text(workload: SimaiWorkload) -> str:
