@@ -24,6 +24,7 @@ from .cost import devices
 from .cost.devices import DeviceProfile
 from .dtypes import DTYPES
 from .limits import check_settings
+from .memo import Memo
 from .errors import UserError
 from .names import check_name
 from .parallel.facts import ModelFacts
@@ -299,22 +300,22 @@ def _capture(model, batch, seq, dtype, grad_dtype, gpu, every_layer, say, parall
 
 # A layout search captures many rank shapes of one model in a process: its whole meta model is built once,
 # for its facts and whether one layer may stand for all (the fast path captures short copies instead).
-_BUILT: dict[tuple, tuple[ModelFacts, str | None]] = {}
+_BUILT = Memo(16)
 
 
 def _built_facts(spec, dtype: str) -> tuple[ModelFacts, str | None]:
     """The model's facts and ``uniform_stack``, from the whole model built on the meta device."""
+    key = (spec.name, spec.task, spec.config.to_json_string(use_diff=False), dtype)
+    return _BUILT.get(key, (), _facts_of_built, spec, dtype)
+
+
+def _facts_of_built(spec, dtype: str) -> tuple[ModelFacts, str | None]:
     from .capture import models
     from .parallel.facts import model_facts
     from .workload.layers import uniform_stack
 
-    key = (spec.name, spec.task, spec.config.to_json_string(use_diff=False), dtype)
-    if key not in _BUILT:
-        module = models.build_meta_model(spec, DTYPES[dtype])
-        if len(_BUILT) >= 16:
-            _BUILT.clear()
-        _BUILT[key] = model_facts(spec, module), uniform_stack(spec, module)
-    return _BUILT[key]
+    module = models.build_meta_model(spec, DTYPES[dtype])
+    return model_facts(spec, module), uniform_stack(spec, module)
 
 
 def _with_padded_vocab(spec, vocab_multiple: int, tp: int):

@@ -26,10 +26,10 @@ from ..cost.devices import DeviceProfile
 from ..cost.gpu import memory_ns
 from ..dtypes import DTYPES
 from ..memo import Memo
-from ..parallel.collectives import ALLGATHER, REDUCESCATTER, data_parallel_units, parameter_bytes
+from ..parallel.collectives import ALLGATHER, REDUCESCATTER, data_parallel_units, parameter_bytes, zero_rows
 from ..parallel.facts import ModelFacts
 from ..parallel.layout import Parallel, virtual_stage_layers
-from ..parallel.memory import ADAM_BYTES_PER_PARAMETER
+from ..parallel.memory import ADAM_BYTES_PER_PARAMETER, fp8_weight_elements
 from ..parallel.rank import MODEL_PARALLEL_FIELDS, model_chunks, model_parallel_chunks, split_once
 from ..parallel.units import Comm, Unit, is_expert
 from ..workload.table import Workload
@@ -128,9 +128,9 @@ class ClusterStep:
 def cluster_step(facts: ModelFacts, workload: Workload, model_workload: Workload, p: Parallel, micro_batch: int,
                  seq: int, dtype: str, grad_dtype: str, device: DeviceProfile, alike: bool = False) -> ClusterStep:
     """``workload``: the step as it runs (recomputation applied); ``model_workload``: as captured,
-    for the model's FLOPs. ``alike``: devices whose chunks hold as many layers each, where every layer
-    costs the same, share one device's units (a layout search's figures: the step's units then name
-    that device's layers)."""
+    for the model's FLOPs. ``alike``: devices whose chunks hold layers of the same kinds in the same
+    order share one device's units (_alike_devices; a layout search's figures: the step's units then
+    name that device's layers)."""
     p = replace(p, stage=0)
     standing_for = _alike_devices(facts, workload, model_workload, p) if alike else range(p.pp)
     forward, backward, comm, flops, layouts, unit_backward = [], [], [], [], [], []
@@ -294,8 +294,7 @@ def _with_data_parallel(chunks: list[list[Unit]], p: Parallel, grad_dtype: str, 
                         fp8_modules: frozenset) -> list[Unit]:
     """The device's units with its data-parallel rows (data_parallel_units), once per chunks and data-parallel
     side (the chunks are the memoised ones of _device_passes); the list returned is not to be changed."""
-    zero_rows = 0 if p.zero == 0 else 3 if p.zero == 3 else 1  # ZeRO 1 and 2 issue the same rows
-    key = (id(chunks), p.replicas, p.dp, p.ep, zero_rows, p.bucket_mb, p.fp8_param_gather, grad_dtype, dtype)
+    key = (id(chunks), p.replicas, p.dp, p.ep, zero_rows(p.zero), p.bucket_mb, p.fp8_param_gather, grad_dtype, dtype)
     return _DP_UNITS.get(key, (chunks,), lambda: data_parallel_units(
         [u for chunk in chunks for u in chunk], p, DTYPES[grad_dtype].itemsize, DTYPES[dtype].itemsize, fp8_modules))
 
@@ -452,7 +451,7 @@ def _fp8_weight_cast_ns(chunks: list[list[Unit]], workload: Workload, device: De
         return 0.0
     from ..workload.fp8 import CAST_BYTES_PER_ELEMENT
 
-    elements = sum(g.elements for units in chunks for u in units for g in u.grads if g.module in workload.fp8_modules)
+    elements = fp8_weight_elements((u for units in chunks for u in units), workload.fp8_modules)
     return memory_ns(elements * CAST_BYTES_PER_ELEMENT, device.gpu_facts(), device.gpu_model(), casts=True)
 
 

@@ -100,6 +100,12 @@ def cp_comms(p: Parallel, rank_kv_bytes: int) -> tuple[list[Comm], list[Comm]]:
 _DP_ROWS = Memo(1024)
 
 
+def zero_rows(zero: int) -> int:
+    """The ZeRO stages whose data-parallel rows are the same: 1 and 2 (a reduce-scatter per bucket, the
+    updated parameters' all-gather) differ only in what a rank keeps."""
+    return 1 if zero == 2 else zero
+
+
 def parameter_bytes(grads, itemsize: int, fp8_modules: frozenset = frozenset()) -> int:
     """Bytes of these parameters as ZeRO's all-gather moves them: one per element for the FP8 linear
     layers' weights gathered in FP8 (``fp8_modules``, --fp8-param-gather), ``itemsize`` for the rest."""
@@ -113,9 +119,8 @@ def data_parallel_units(units: list[Unit], p: Parallel, grad_itemsize: int, para
     grads = [g for u in units for g in u.grads]
     # the rows name their group, not its size: layouts that differ only in dp share them
     gathered_fp8 = fp8_modules if p.fp8_param_gather else frozenset()
-    zero_rows = 0 if p.zero == 0 else 3 if p.zero == 3 else 1  # ZeRO 1 and 2 issue the same rows
     key = (tuple(map(id, grads)), tuple(len(u.grads) for u in units), p.replicas > 1, p.dp // p.ep > 1, p.ep > 1,
-           zero_rows, p.bucket_mb, grad_itemsize, param_itemsize, gathered_fp8)
+           zero_rows(p.zero), p.bucket_mb, grad_itemsize, param_itemsize, gathered_fp8)
     top, before = _DP_ROWS.get(key, tuple(grads), lambda: _data_parallel_rows(units, p, grad_itemsize, param_itemsize,
                                                                              gathered_fp8))
     out = list(top)

@@ -33,6 +33,7 @@ from dataclasses import replace
 from ..workload.table import NodeRow, OpCost, Workload
 from .layout import Parallel
 
+
 def is_core(op: OpCost) -> bool:
     """The attention core (SDPA's kernels, or eager attention's tagged ops): what reads the other ranks' keys."""
     return bool(op.sdpa_backend)

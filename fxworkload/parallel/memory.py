@@ -95,8 +95,12 @@ def _unit_totals(rank_units: list, fp8_modules: frozenset) -> tuple[int, int, in
     units = [u for u in rank_units if u.block != "dp"]
     elements = sum(g.elements for u in units for g in u.grads)
     expert = sum(g.elements for u in units for g in u.grads if is_expert(g.module))
-    fp8_here = sum(g.elements for u in units for g in u.grads if g.module in fp8_modules)
-    return expert, elements - expert, sum(u.saved() for u in units), fp8_here, elements
+    return expert, elements - expert, sum(u.saved() for u in units), fp8_weight_elements(units, fp8_modules), elements
+
+
+def fp8_weight_elements(units, fp8_modules: frozenset) -> int:
+    """--fp8: the weights of these units that have FP8 copies (the decoder layers' linear layers)."""
+    return sum(g.elements for u in units for g in u.grads if g.module in fp8_modules)
 
 
 def _chunks_in_flight(p) -> int:
