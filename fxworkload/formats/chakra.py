@@ -196,11 +196,14 @@ def _rank_nodes(pb, cluster, rank: int, groups: dict) -> list:
             gather = b.collective(f"mb{mb} chunk{chunk} {comm.type} {comm.group} (ZeRO 3 parameters)", comm,
                                   comm_ns(comm, p, cluster.profile), deps=b.last)
         for unit in chunks[chunk] if forward else list(reversed(chunks[chunk])):
-            beside = []  # CP's ring: beside the block's compute, which the chain's next node waits for too
+            # CP's ring: beside the block's compute, which the chain's next node waits for too; in backward its
+            # two collectives share the ring's links, one after the other (the cluster step adds them up)
+            beside = []
             for comm in (c for c in unit.comms[FORWARD if forward else INPUT_GRAD] if c.group == "cp"):
                 name = f"mb{mb} {unit.name} {comm.type} {comm.group} ({comm.what})"
                 if comm.overlapped:
-                    beside.append(b.collective(name, comm, comm_ns(comm, p, cluster.profile), deps=b.last))
+                    beside.append(b.collective(name, comm, comm_ns(comm, p, cluster.profile),
+                                               deps=beside[-1:] or b.last))
                 else:
                     b.collective(name, comm, comm_ns(comm, p, cluster.profile))
             for phase in (FORWARD,) if forward else (INPUT_GRAD, WEIGHT_GRAD):

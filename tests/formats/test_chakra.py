@@ -259,6 +259,27 @@ def test_zero3_passes_wait_for_their_parameters(written_zero3):
             assert gather not in ancestors[next(n for n in nodes if n.id > gather and n.type == COMP_NODE).id]
 
 
+def test_the_rings_collectives_run_beside_the_block_one_after_the_other(tiny_dirs, tmp_path_factory):
+    """Megatron-Core's ring (cp 2): each forward's key/value exchange, and in backward the keys again then
+    their gradients (the same links, so the cluster step adds them up), run beside the attention block's
+    compute: neither waits for that compute, the backward's gradients wait for the keys, and the chain's
+    next node waits for the last of them."""
+    out, _ = _write(tiny_dirs, tmp_path_factory, "llama", dict(cp=2, micro_batches=2))
+    nodes = read(out / "workload.0.et")
+    by_id = {n.id: n for n in nodes}
+    ancestors = _ancestors(nodes)
+    ring = [n for n in nodes if n.type == COMM_COLL_NODE and attr(n, "pg_name") and "ring" in n.name]
+    backward = [n for n in ring if "again" in n.name or "gradients" in n.name]
+    assert len(ring) == 2 * 2 * 3 and len(backward) == 2 * 2 * 2  # 2 layers x 2 micro-batches: 1 forward, 2 backward
+    for keys, gradients in zip(backward[::2], backward[1::2]):
+        assert "again" in keys.name and "gradients" in gradients.name
+        assert keys.id in gradients.data_deps
+        beside = [by_id[d] for d in keys.data_deps]
+        assert not any(d.type == COMP_NODE and "attention" in d.name and "input_grad" in d.name
+                       and d.name.split()[0] == keys.name.split()[0] for d in beside)
+        assert any(gradients.id in ancestors[n.id] for n in nodes if n.id > gradients.id and n.type == COMP_NODE)
+
+
 def test_too_many_ranks_is_one_line(tiny_dirs, tmp_path):
     run = fxworkload("extract", tiny_dirs["llama"], "--device", "h100-sxm", "--format", "chakra", "--dp", 2048,
                      "--out", tmp_path / "x")
