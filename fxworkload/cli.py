@@ -7,14 +7,15 @@ never import torch.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import re
-import signal
 import sys
 import warnings
 from pathlib import Path
 
-from .errors import Refused, Terminated, UserError, clear_signalled, on_signal
+from .errors import Refused, Terminated, UserError, clear_signalled, exit_status, install, restore, stop_message
 
 DEFAULT_DEVICE = "a100-80gb"
 
@@ -56,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
                          help="the model's name in the outputs and the default folder (default: the built-in "
                               "name, checkpoint folder or HuggingFace model name)")
     extract.add_argument("--top", type=int, default=10, help="costliest nodes listed in the summary (default 10)")
+    extract.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
     extract.set_defaults(func=run_extract)
 
     profile = commands.add_parser("profile", help="run one training step op by op on this machine and time it")
@@ -104,6 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="spread the sweep over this Ray cluster ('auto' = the one this machine is part of)")
     plan.add_argument("--out", type=_out_dir, default=None,
                       help="folder for plan.json and plan.txt, replaced whole (default outputs/<model>-plan-<gpus>/)")
+    plan.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
     plan.set_defaults(func=run_plan)
 
     calibrate = commands.add_parser("calibrate", help="measure this machine's device profile")
@@ -591,16 +594,16 @@ def _figure_value(d, figure: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    clear_signalled()
+    previous = {}
     try:
-        previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
-    except ValueError:  # not the main thread (an embedding program): its own handlers stay
-        previous = {}
-    try:
+        clear_signalled()
+        previous = install()
         return _main(argv)
+    except (KeyboardInterrupt, Terminated) as exc:  # before _main's own handling starts, or after it ends
+        print(stop_message(exc), file=sys.stderr)
+        return exit_status(exc)
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        restore(previous)
 
 
 def _main(argv: list[str] | None) -> int:
@@ -608,18 +611,16 @@ def _main(argv: list[str] | None) -> int:
         if sys.stdout is None:  # started with fd 1 closed (`>&-`): nothing could report what the run did
             raise Refused("standard output is closed; give the command somewhere to print (e.g. > log.txt)")
         args = build_parser().parse_args(argv)
-        code = args.func(args)
+        with _verbose(getattr(args, "verbose", False)):
+            code = args.func(args)
         sys.stdout.flush()  # a full disk or a closed pipe on stdout is reported here, not at exit
         return code
     except UserError as exc:
         print(f"fxworkload: error: {_one_line(str(exc))}", file=sys.stderr)
         return 1 if isinstance(exc, Refused) else 2
-    except KeyboardInterrupt:
-        print("fxworkload: interrupted", file=sys.stderr)
-        return 130
-    except Terminated:
-        print("fxworkload: terminated", file=sys.stderr)
-        return 143
+    except (KeyboardInterrupt, Terminated) as exc:
+        print(stop_message(exc), file=sys.stderr)
+        return exit_status(exc)
     except BrokenPipeError:  # the reader went away (`| head`): stop quietly, as SIGPIPE would
         _silence_stdout()
         return 141
@@ -636,6 +637,26 @@ def _main(argv: list[str] | None) -> int:
         print(f"fxworkload: internal error: {type(exc).__name__}: {_one_line(str(exc))[:300]} (a bug: please "
               "report it with the command; FXWORKLOAD_DEBUG=1 prints the traceback)", file=sys.stderr)
         return 70
+
+
+VERBOSE_HELP = "say what the caches did: each entry not used and why (recaptured or evaluated again)"
+
+
+@contextlib.contextmanager
+def _verbose(on: bool):
+    """FXWORKLOAD_VERBOSE for this run (and the plan's workers, which inherit the environment)."""
+    if not on:
+        yield
+        return
+    before = os.environ.get("FXWORKLOAD_VERBOSE")
+    os.environ["FXWORKLOAD_VERBOSE"] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("FXWORKLOAD_VERBOSE", None)
+        else:
+            os.environ["FXWORKLOAD_VERBOSE"] = before
 
 
 MAX_MESSAGE_CHARS = 600

@@ -8,6 +8,7 @@ transformers or the model's code.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import time
@@ -27,7 +28,7 @@ from .limits import check_settings
 from .memo import Memo
 from .errors import UserError
 from .names import check_name
-from .parallel.facts import ModelFacts
+from .parallel.facts import ModelFacts, check_positions
 from .parallel.layout import Parallel, padded_vocab
 from .parallel.layout import check as check_parallel
 from .parallel.layout import check_sequence, check_values
@@ -36,7 +37,7 @@ from .parallel.rank import RankWorkload, rank_workload
 from .parallel.recompute import with_recompute
 from .parallel.context_parallel import with_context_parallel
 from .parallel.sequence_parallel import with_sequence_parallel
-from .progress import say as print_progress
+from .progress import heartbeat, say as print_progress
 from .workload import cache as graph_cache
 from .workload.fp8 import check_fp8, with_fp8
 from .workload.stacks import check_stack
@@ -207,13 +208,22 @@ def extract(model: str, batch: int = 1, seq: int | None = None, dtype: str = "fp
     cache_key = graph_cache.key(_raw_config(config_path), batch, seq, dtype, grad_dtype, traced_on,
                                 shards=(parallel.tp, parallel.ep), vocab_multiple=parallel.vocab_multiple,
                                 every_layer=every_layer, stack=stack)
-    cached = graph_cache.load(cache_key) if use_cache else None
-    if cached is not None and isinstance(cached.facts, ModelFacts):
+    cached = graph_cache.load(cache_key, ModelFacts) if use_cache else None
+    if cached is not None:
         say(f"read the captured step from the cache ({graph_cache.path_of(cache_key)})")
         check_parallel(parallel, cached.facts)
+        check_positions(cached.facts, cached.seq * parallel.cp)
         workload, seq, facts = cached.workload, cached.seq, cached.facts
     else:
-        workload, seq, facts = _capture(model, batch, seq, dtype, grad_dtype, gpu, every_layer, say, parallel, stack)
+        stage = ["reading the model's config"]
+
+        def said(text: str) -> None:  # the stage the heartbeat names
+            stage[0] = text.rstrip(".")
+            say(text)
+
+        with heartbeat(lambda: f"{stage[0]}: still working") if progress else contextlib.nullcontext():
+            workload, seq, facts = _capture(model, batch, seq, dtype, grad_dtype, gpu, every_layer, said, parallel,
+                                            stack)
         say(f"captured {len(workload.ops())} ops in {time.perf_counter() - start:.1f} s")
         if use_cache:
             graph_cache.save(cache_key, graph_cache.CachedStep(workload=workload, seq=seq, facts=facts))
@@ -273,6 +283,8 @@ def _capture(model, batch, seq, dtype, grad_dtype, gpu, every_layer, say, parall
     from .workload.table import build
 
     spec = _with_padded_vocab(models.resolve(model), parallel.vocab_multiple, parallel.tp)
+    if parallel.cp > 1:  # the rank's tokens are captured; the whole sequence must fit the model's positions
+        step_seq(spec, seq * parallel.cp)
     seq = step_seq(spec, seq)
     check_sequence(parallel, seq * parallel.cp)
     facts, stack_alike = _built_facts(spec, dtype)

@@ -28,12 +28,12 @@ import itertools
 import json
 import multiprocessing
 import os
-import pickle
 import signal
 import socket
 import sys
 import threading
 from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 
 from .errors import UserError
 from .memo import Memo
@@ -187,6 +187,8 @@ def _evaluate_shape(model, shape, layouts, seq, dtype, device, stack, grad_dtype
 # a layout's step figures: None for one that does not fit where only those that fit are timed
 STEP_FIGURES = ("parts_ms", "step_ms", "mfu", "hfu", "step_low_ms", "step_high_ms", "tflops_per_gpu",
                 "tokens_per_s_per_gpu", "bubble", "exposed_gather_ms")
+_ROW_KEYS = {"device", "tp", "cp", "pp", "pp_layers", "dp", "ep", "sp", "vpp", "zero", "fp8", "recompute",
+             "recompute_layers", "micro_batch", "micro_batches", "peak_bytes", "fits", *STEP_FIGURES}
 
 
 _FLAT = Memo(4096)  # a device's units in one list, once per chunks: rank_memory sums each list once
@@ -259,6 +261,9 @@ def _plan(model, gpus, global_batch, seq, dtype, workers, ray, progress, stack, 
     else:
         with _signals_held():
             facts = _facts(model, dtype)
+    from .parallel.facts import check_positions
+
+    check_positions(facts, seq)  # every CP degree's ranks together hold the whole sequence
     groups, dropped = {}, {}
     for profile in profiles:
         found, turned = candidate_layouts(gpus, global_batch, facts, profile.gpus_per_node, seq, cps)
@@ -315,10 +320,13 @@ def check_cp_degrees(cp) -> tuple[int, ...]:
 
 
 def _device_names(device: str) -> list[str]:
-    names = [name.strip() for name in device.split(",") if name.strip()]
-    if not names:
+    """Comma-separated profile names, each exactly a name (no space, newline or path around it)."""
+    from .cost.devices import check_name
+
+    names = device.split(",") if device else []
+    if not any(names):
         raise UserError("--device names no profile: give one or more, e.g. --device h100-sxm,b200")
-    return list(dict.fromkeys(names))
+    return list(dict.fromkeys(check_name(name) for name in names))
 
 
 def _plan_device(name: str, fp8: bool, dtype: str):
@@ -346,50 +354,62 @@ def check_plan_counts(gpus: int, global_batch: int) -> None:
     check_count("--global-batch", global_batch, MAX_GLOBAL_BATCH, "it counts sequences per step")
 
 
-@contextlib.contextmanager
 def _signals_held():
-    """Ctrl-C and SIGTERM wait while the model is built: a KeyboardInterrupt raised inside torch's or
-    transformers' C++ code as they import aborts the process (pybind11's error_already_set, the pool's
-    workers left behind); they are remembered and stop the run as soon as the build is done (seconds)."""
-    from .errors import check_signalled, record_signal
+    """Ctrl-C, SIGTERM and SIGHUP wait while the model is built: a KeyboardInterrupt raised inside torch's or
+    transformers' C++ code aborts the process (pybind11's error_already_set, the pool's workers left behind);
+    they are remembered and stop the run as soon as the build is done (seconds)."""
+    from .errors import signals_held
 
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = {sig: signal.signal(sig, record_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    return signals_held()
+
+
+FACTS_KIND, ROWS_KIND = "model-facts", "plan-rows"
+
+
+def _facts_entry(model: str, dtype: str):
+    """Where the model's facts are cached, and the key their entry must carry."""
+    from .store import cache_dir
+
+    key = _key({"config": _raw_config(model), "dtype": dtype})
+    return cache_dir() / "facts" / f"{key}.json", key
+
+
+def _cached_facts(model: str, dtype: str):
+    """The model's facts from the cache, or None (absent, or not facts written for this model: store.py)."""
+    from . import store
+    from .parallel.facts import ModelFacts
+    from .records import RecordError, decode
+
+    path, key = _facts_entry(model, dtype)
+    data = store.read(path, FACTS_KIND, key)
+    if data is None:
+        return None
     try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-    check_signalled()
-
-
-def _facts_path(model: str, dtype: str):
-    from .cost.devices import cache_dir
-
-    return cache_dir() / "facts" / f"{_key({'config': _raw_config(model), 'dtype': dtype})}.pkl"
+        return decode(data, ModelFacts, "facts")
+    except RecordError as exc:
+        store.note(f"cache: {path} does not hold a model's facts ({exc}): not used, the model is built again")
+        return None
 
 
 def _facts_cached(model: str, dtype: str) -> bool:
-    return _facts_path(model, dtype).is_file()
+    return _cached_facts(model, dtype) is not None
 
 
 def _facts(model: str, dtype: str):
     """The model's facts, kept in the cache by its config: a plan asked again builds no model."""
-    path = _facts_path(model, dtype)
-    try:
-        with open(path, "rb") as f:
-            return pickle.load(f)
-    except Exception:  # absent or damaged: build it
-        pass
+    cached = _cached_facts(model, dtype)
+    if cached is not None:
+        return cached
+    from . import store
     from .capture import models
     from .dtypes import DTYPES
     from .parallel.facts import model_facts
+    from .records import encode
 
     spec = models.resolve(model)
     facts = model_facts(spec, models.build_meta_model(spec, DTYPES[dtype]))
-    _store(path, pickle.dumps(facts, protocol=pickle.HIGHEST_PROTOCOL))
+    path, key = _facts_entry(model, dtype)
+    store.write(path, FACTS_KIND, key, encode(facts))
     return facts
 
 
@@ -410,23 +430,72 @@ def _key(material: dict) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
-def _store(path, data: bytes) -> None:
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_bytes(data)
-        tmp.replace(path)
-    except OSError:
-        pass  # an unwritable cache only costs the work next time
-
-
-def _rows_path(task: tuple, settings: dict):
-    from .cost.devices import cache_dir
+def _rows_entry(task: tuple, settings: dict):
+    """Where a shape's evaluated rows are cached, and the key their entry must carry."""
+    from .store import cache_dir
 
     model, (device, shape), layouts = task[:3]
     material = {k: v for k, v in settings.items() if k != "devices"} | {
         "device": settings["devices"][device], "shape": asdict(shape), "layouts": [p.as_dict() for p in layouts]}
-    return cache_dir() / "plans" / f"{_key(material)}.json"
+    key = _key(material)
+    return cache_dir() / "plans" / f"{key}.json", key
+
+
+# a timed row's step figures (all None in a row not timed: a layout that does not fit)
+_ROW_STEP = {"step_ms", "mfu", "hfu", "step_low_ms", "step_high_ms", "tflops_per_gpu", "tokens_per_s_per_gpu",
+             "bubble", "exposed_gather_ms"}
+
+
+def _cached_rows(entry, task: tuple) -> list[dict] | None:
+    """A shape's rows from the cache if they are the rows of exactly its layouts on its device, else None."""
+    from . import store
+
+    path, key = entry
+    rows = store.read(path, ROWS_KIND, key)
+    if rows is None:
+        return None
+    (device, shape), layouts = task[1], task[2]
+    problem = _rows_problem(rows, layouts, device, shape, task[6])
+    if problem:
+        store.note(f"cache: {path} does not hold this shape's rows ({problem}): not used, the shape is evaluated again")
+        return None
+    return rows
+
+
+def _rows_problem(rows, layouts, device: str, shape, fp8: bool) -> str | None:
+    """What makes ``rows`` not the evaluated rows of ``layouts`` (in order), or None."""
+    if not isinstance(rows, list) or len(rows) != len(layouts):
+        return f"{len(rows) if isinstance(rows, list) else 'no'} rows for {len(layouts)} layouts"
+    for i, (row, p) in enumerate(zip(rows, layouts)):
+        if not isinstance(row, dict) or set(row) != _ROW_KEYS:
+            return f"row {i} has other fields than a plan row"
+        expected = _layout_fields(p, device, shape, fp8)
+        if any(row[k] != v or type(row[k]) is not type(v) for k, v in expected.items()):
+            return f"row {i} is not layout {i}"
+        if not _number(row["peak_bytes"]) or not isinstance(row["fits"], (bool, type(None))):
+            return f"row {i}'s memory is not a number"
+        timed = row["step_ms"] is not None
+        if timed and not (all(_number(row[k]) for k in _ROW_STEP) and isinstance(row["parts_ms"], dict)
+                          and all(isinstance(k, str) and _number(v) for k, v in row["parts_ms"].items())):
+            return f"row {i}'s step figures are not numbers"
+        if not timed and (row["fits"] or any(row[k] is not None for k in (*_ROW_STEP, "parts_ms"))):
+            return f"row {i} fits but has no step"
+    return None
+
+
+def _layout_fields(p, device: str, shape, fp8: bool) -> dict:
+    """A row's fields that say which layout it is (as _evaluate_shape writes them)."""
+    return {"device": device, "tp": p.tp, "cp": p.cp, "pp": p.pp,
+            "pp_layers": list(p.pp_layers) if p.pp_layers else None, "dp": p.dp, "ep": p.ep, "sp": p.sp,
+            "vpp": p.vpp, "zero": p.zero, "fp8": fp8, "recompute": p.recompute,
+            "recompute_layers": p.recompute_layers, "micro_batch": shape.micro_batch,
+            "micro_batches": p.micro_batches}
+
+
+def _number(value) -> bool:
+    import math
+
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _run(model, groups, settings, workers, ray_address, progress, early=None) -> list[dict]:
@@ -439,10 +508,9 @@ def _run(model, groups, settings, workers, ray_address, progress, early=None) ->
     rows, tasks = [], []
     for (device, shape), layouts in groups.items():
         task = (model, (device, shape), layouts, settings["seq"], settings["dtype"], settings["stack"], settings["fp8"])
-        path = _rows_path(task, settings)
-        try:
-            cached = json.loads(path.read_text())
-        except (OSError, ValueError):
+        path = _rows_entry(task, settings)
+        cached = _cached_rows(path, task)
+        if cached is None:
             tasks.append((task, path))
             continue
         rows += cached
@@ -491,8 +559,10 @@ def _pool(count: int):
     return multiprocessing.get_context("spawn").Pool(count, initializer=_worker_start)
 
 
-def _kept(rows: list[dict], path) -> list[dict]:
-    _store(path, json.dumps(rows, sort_keys=True).encode())
+def _kept(rows: list[dict], entry) -> list[dict]:
+    from . import store
+
+    store.write(*entry[:1], ROWS_KIND, entry[1], rows)
     return rows
 
 
@@ -516,6 +586,8 @@ def _worker_start() -> None:
         os._exit(1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    if hasattr(signal, "SIGHUP"):  # a closed terminal ends the workers with the plan
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)
     devnull = os.open(os.devnull, os.O_RDWR)
     for fd in (0, 1, 2):  # a `| tee` or `$(...)` of the plan sees its end when the plan ends
         os.dup2(devnull, fd)
@@ -561,12 +633,44 @@ def _ray(address: str):
 
 
 def _probe(address: str) -> None:
-    """Ray retries an unreachable head for a minute; a closed port is known at once."""
-    if address in ("auto", "local") or address.startswith("ray://"):
+    """Ray retries an unreachable head for a minute; a closed port is known at once. ``auto`` is the cluster
+    this machine is part of, found as Ray finds it (RAY_ADDRESS, else the address ``ray start`` leaves in
+    the temporary folder); ``local`` starts one in this process; ``ray://host:port`` is a Ray Client server."""
+    if address == "local":
         return
-    host, _, port = address.rpartition(":")
+    ray = sys.modules.get("ray")
+    if address == "auto" and ray is not None and ray.is_initialized():
+        return  # this process is already connected (a library caller's ray.init)
+    target = _auto_address() if address == "auto" else address.removeprefix("ray://")
+    if not target:
+        raise UserError("--ray auto: no Ray cluster runs on this machine (no RAY_ADDRESS, and 'ray start' has "
+                        "not left an address); start one with 'ray start --head' or leave --ray out for a local "
+                        "process pool")
+    host, _, port = target.rpartition(":")
     try:
         socket.create_connection((host or "127.0.0.1", int(port)), timeout=5).close()
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, OverflowError) as exc:
         raise UserError(f"--ray {address}: cannot reach a Ray cluster there ({exc}); start one with "
                         "'ray start --head' or leave --ray out for a local process pool") from None
+
+
+def _auto_address() -> str | None:
+    """The address ``ray.init(address='auto')`` would use: Ray's own lookup (RAY_ADDRESS, the address
+    ``ray start`` leaves in its temporary folder, a running GCS server), else None."""
+    try:
+        from ray._private.services import get_ray_address_from_environment
+
+        return get_ray_address_from_environment("auto", None).removeprefix("ray://")
+    except ImportError:
+        raise UserError("--ray needs Ray: pip install 'fxworkload[ray]'") from None
+    except (ConnectionError, AttributeError, TypeError, ValueError):
+        pass
+    import tempfile
+
+    if os.environ.get("RAY_ADDRESS"):
+        return os.environ["RAY_ADDRESS"].removeprefix("ray://")
+    root = os.environ.get("RAY_TMPDIR") or tempfile.gettempdir()
+    try:
+        return (Path(root) / "ray" / "ray_current_cluster").read_text().strip() or None
+    except (OSError, UnicodeDecodeError):
+        return None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import io
 import re
+import threading
 import time
 
 from fxworkload import progress
@@ -12,12 +13,41 @@ from fxworkload.cli import main
 
 
 def test_a_heartbeat_beats_while_the_work_runs_and_stops_with_it():
-    lines = []
-    with progress.heartbeat(lambda: "working", every_s=0.05, out=lines.append):
-        time.sleep(0.32)
+    """Three beats come while the block waits for them (however busy the machine), none after it ends."""
+    lines, three = [], threading.Event()
+
+    def out(line: str) -> None:
+        lines.append(line)
+        if len(lines) >= 3:
+            three.set()
+
+    with progress.heartbeat(lambda: "working", every_s=0.01, out=out):
+        assert three.wait(600)
     count = len(lines)
-    time.sleep(0.15)
-    assert 4 <= count <= 7 and len(lines) == count and all(re.fullmatch(r"working \(\d+ s\)", x) for x in lines)
+    time.sleep(0.1)
+    assert len(lines) == count and all(re.fullmatch(r"working \(\d+ s\)", x) for x in lines)
+
+
+def test_a_long_capture_says_which_stage_is_still_running(tiny_dirs, tmp_path, monkeypatch):
+    """The capture runs until the heartbeat has spoken (a capture slower than EVERY_S, without a clock)."""
+    import fxworkload.pipeline as pipeline
+
+    real, err = pipeline._capture, io.StringIO()
+
+    def slow_capture(*args):
+        done = real(*args)
+        for _ in range(60000):
+            if "still working" in err.getvalue():
+                break
+            time.sleep(0.01)
+        return done
+
+    monkeypatch.setattr(pipeline, "_capture", slow_capture)
+    monkeypatch.setattr(progress, "EVERY_S", 0.01)
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        assert main(["extract", str(tiny_dirs["gpt2"]), "--seq", "16", "--no-cache", "--out", str(tmp_path / "o")]) == 0
+    assert re.search(r"^(capturing one training step|built \S+ on the meta device)[^\n]*: still working \(\d+ s\)$",
+                     err.getvalue(), re.M), err.getvalue()
 
 
 def _stderr_of(argv, monkeypatch) -> str:

@@ -7,15 +7,19 @@ profile a user calibrated under a name of their own.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
 import os
 import re
+import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from .. import store
 from ..errors import UserError
+from ..store import cache_dir  # noqa: F401 (the cache folder, where measured profiles live)
 from ..names import NAME, check_name as check_a_name
 from .gpu import GpuFacts, GpuModel
 
@@ -113,14 +117,16 @@ def read_fit(name: str) -> dict:
 
 
 def names() -> list[str]:
-    measured = [p.stem for p in (cache_dir() / "devices").glob("*.json")
+    found = store.folder("devices")
+    measured = [p.stem for p in (found.glob("*.json") if found else ())
                 if not p.stem.startswith("cpu-") and _NAME.fullmatch(p.stem)]
     return sorted({p.stem for p in DATA_DIR.glob("*.json")} | set(measured) | {"cpu"})
 
 
 def measured_cpu_paths() -> list[Path]:
     """Every measured CPU profile (one per torch build and thread count), found without importing torch."""
-    return sorted((cache_dir() / "devices").glob("cpu-torch*-threads*.json"))
+    found = store.folder("devices")
+    return sorted(found.glob("cpu-torch*-threads*.json")) if found else []
 
 
 _NAME = NAME
@@ -135,6 +141,8 @@ def load(name: str) -> DeviceProfile:
     """A shipped datasheet profile, or one ``fxworkload calibrate`` measured; never measures."""
     check_name(name)
     for path in ((measured_path(name),) if name == "cpu" else (DATA_DIR / f"{name}.json", measured_path(name))):
+        if path.parent != DATA_DIR and store.folder("devices") is None:
+            continue  # no measured profiles yet (and a folder others can write is refused there)
         if path.is_file():
             return read(path)
     if name == "cpu":
@@ -169,7 +177,9 @@ def matching_gpu(device_name: str) -> str | None:
 
 
 def exists(name: str) -> bool:
-    return (name != "cpu" and (DATA_DIR / f"{name}.json").is_file()) or measured_path(name).is_file()
+    if name != "cpu" and (DATA_DIR / f"{name}.json").is_file():
+        return True
+    return store.folder("devices") is not None and measured_path(name).is_file()
 
 
 def read(path: Path) -> DeviceProfile:
@@ -233,12 +243,6 @@ def _rows(table) -> list:
     return [row if isinstance(row, list) else [None] for row in table] if isinstance(table, list) else [[None]]
 
 
-def cache_dir() -> Path:
-    root = os.environ.get("FXWORKLOAD_CACHE_DIR") or Path(
-        os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fxworkload"
-    return Path(root)
-
-
 def measured_path(name: str) -> Path:
     """Where a measured profile is kept; ``cpu`` is keyed by torch version and thread count."""
     if name == "cpu":
@@ -249,8 +253,17 @@ def measured_path(name: str) -> Path:
 
 
 def save(profile: DeviceProfile, path: Path) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(asdict(profile), indent=2) + "\n")
-    tmp.replace(path)
+    """Write the profile atomically, through a temporary file created exclusively (mode 0600) in a
+    folder checked as every cache folder is (store.py); OSError if it cannot be written."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    store.check_folder(path.parent)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(json.dumps(asdict(profile), indent=2) + "\n")
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
     return path

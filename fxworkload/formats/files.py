@@ -18,11 +18,10 @@ import json
 import os
 import re
 import shutil
-import signal
 import tempfile
 from pathlib import Path
 
-from ..errors import Refused, Terminated, UserError, check_signalled
+from ..errors import Refused, UserError, check_signalled, signals_held
 
 MANIFEST = "manifest.json"
 # What fxworkload writes into an output folder: a folder holding only these may be replaced.
@@ -108,25 +107,9 @@ def publish(out: Path, contents: dict[str, str | bytes], settings: dict) -> list
     return [given / name for name in [*contents, MANIFEST]]
 
 
-@contextlib.contextmanager
 def _sigint_deferred():
-    """Hold Ctrl-C and SIGTERM until the block ends, then raise them: a swap or clean-up is never cut in half."""
-    received = []
-    try:
-        previous = {sig: signal.signal(sig, lambda signum, frame: received.append(signum))
-                    for sig in (signal.SIGINT, signal.SIGTERM)}
-    except ValueError:  # not the main thread: signals are not delivered here anyway
-        yield
-        return
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        if signal.SIGTERM in received:
-            raise Terminated
-        if received:
-            raise KeyboardInterrupt
+    """Hold Ctrl-C, SIGTERM and SIGHUP until the block ends, then raise them: a swap or clean-up is never cut in half."""
+    return signals_held()
 
 
 def manifest_text(contents: dict[str, str | bytes], settings: dict) -> str:

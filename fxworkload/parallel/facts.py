@@ -26,6 +26,7 @@ class ModelFacts:
     row_parallel: tuple[str, ...]  # modules whose output Megatron reduces (from the TP plan)
     tied_embedding: str | None  # path of the input embedding when the head shares its weight
     head_dim_config: int = 0  # values per attention head, where the config says (0: hidden / heads)
+    max_positions: int = 0  # the longest sequence the model takes (max_position_embeddings); 0: no limit
 
     @property
     def head_dim(self) -> int:
@@ -34,7 +35,7 @@ class ModelFacts:
 
 def model_facts(spec, model) -> ModelFacts:
     """The facts of a resolved spec and its (meta) model."""
-    from ..capture.models import setting
+    from ..capture.models import max_positions, setting
     from ..workload.layers import layer_stack
     from .tensor_parallel import path_of, plan_for
 
@@ -53,7 +54,7 @@ def model_facts(spec, model) -> ModelFacts:
         stack=layer_stack(model, layers) if layers else None,
         row_parallel=tuple(plan.row_parallel_modules()) if plan else (),
         tied_embedding=path_of(model, embedding) if tied else None,
-        head_dim_config=_count(setting(config, "head_dim", 0)))
+        head_dim_config=_count(setting(config, "head_dim", 0)), max_positions=max_positions(config) or 0)
 
 
 def _count(value) -> int:
@@ -68,3 +69,12 @@ def experts_of(config) -> int:
         if _count(setting(config, name)):
             return setting(config, name)
     return 0
+
+
+def check_positions(facts: ModelFacts, seq: int) -> None:
+    """The whole sequence (all context-parallel ranks' tokens) within the model's positions."""
+    from ..errors import UserError
+
+    if facts.max_positions and seq > facts.max_positions:
+        raise UserError(f"--seq {seq} exceeds {facts.name}'s max_position_embeddings ({facts.max_positions}); "
+                        "use a shorter --seq")

@@ -6,7 +6,6 @@ from __future__ import annotations
 import csv
 import gzip
 import json
-import pickle
 import shutil
 import subprocess
 import sys
@@ -197,19 +196,6 @@ def test_a_kernel_csv_that_is_not_utf8_is_one_line(tmp_path):
 def test_kernels_and_from_together_are_refused(tmp_path):
     one_clean_line(*run("calibrate", "--kernels", tmp_path, "--from", tmp_path / "t.json", "--estimated", tmp_path,
                         "--name", "x"), says="give one of them")
-
-
-def test_a_cache_entry_of_another_pickle_protocol_is_captured_again(tiny_dirs, tmp_path, monkeypatch):
-    from fxworkload.workload import cache
-
-    monkeypatch.setenv("FXWORKLOAD_CACHE_DIR", str(tmp_path / "cache"))
-    first = extract(str(tiny_dirs["gpt2"]), seq=16)
-    entries = list((tmp_path / "cache" / "graphs").glob("*.pkl"))
-    assert len(entries) == 1
-    entries[0].write_bytes(b"\x80\x63" + pickle.dumps(1)[2:])  # protocol 99
-    again = extract(str(tiny_dirs["gpt2"]), seq=16)
-    assert again.totals == first.totals
-    assert isinstance(cache.load(entries[0].stem), cache.CachedStep)  # rewritten by the recapture
 
 
 def test_a_router_sending_tokens_to_no_expert_is_refused(tmp_path):

@@ -85,7 +85,7 @@ def test_no_cache_neither_reads_nor_writes(tmp_path, monkeypatch):
     extract(str(tmp_path / "m"), seq=8, use_cache=False)
     assert not (tmp_path / "cache" / "graphs").exists()
     extract(str(tmp_path / "m"), seq=8)
-    assert len(list((tmp_path / "cache" / "graphs").glob("*.pkl"))) == 1
+    assert len(list((tmp_path / "cache" / "graphs").glob("*.json"))) == 1
     config = config.to_dict()
     key_a = graph_cache.key(config, 1, 8, "fp32", "fp32", "cpu")
     assert key_a != graph_cache.key(config, 1, 16, "fp32", "fp32", "cpu")

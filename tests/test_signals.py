@@ -1,0 +1,86 @@
+"""Stop signals at any instant: one line, the shell's exit status (130, 143, 129), no traceback, no half import.
+
+The interpreter's own start-up (before the first line of fxworkload runs: `site` and its `.pth` files,
+10-20 ms) is Python's: a Ctrl-C there is Python's KeyboardInterrupt. These tests start timing at the
+instant fxworkload has installed its handlers, which /proc shows: SIGHUP becomes a caught signal then.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from fxworkload import errors
+
+EXPECTED = {signal.SIGINT: (130, "fxworkload: interrupted"), signal.SIGTERM: (143, "fxworkload: terminated"),
+            signal.SIGHUP: (129, "fxworkload: hung up")}
+
+
+def command() -> list[str]:
+    """The installed console script where there is one (what a user runs), else ``python -m fxworkload``."""
+    script = Path(sys.executable).parent / "fxworkload"
+    return [str(script)] if script.is_file() else [sys.executable, "-m", "fxworkload"]
+
+
+def handlers_installed(pid: int) -> bool:
+    """SIGHUP is caught: fxworkload.start has run its first lines (Python itself never catches SIGHUP)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    caught = int(next(line for line in status.splitlines() if line.startswith("SigCgt:")).split()[1], 16)
+    return bool(caught & (1 << (signal.SIGHUP - 1)))
+
+
+def wait_for_handlers(run: subprocess.Popen) -> None:
+    deadline = time.monotonic() + 300
+    while not handlers_installed(run.pid):
+        assert run.poll() is None and time.monotonic() < deadline, "the command never installed its handlers"
+        time.sleep(0.001)
+
+
+def test_a_signal_during_an_import_waits_for_the_import_to_finish(tmp_path, monkeypatch):
+    """Raised inside an import, SIGTERM would leave a half-initialised module (a C extension then refuses to
+    load again); held, it stops the run once the import is done."""
+    (tmp_path / "slow_module.py").write_text(
+        "import os, signal, time\nos.kill(os.getpid(), signal.SIGTERM)\ntime.sleep(0.2)\nFINISHED = True\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    previous = errors.install()
+    try:
+        with pytest.raises(errors.Terminated) as stopped:
+            import slow_module  # noqa: F401
+            for _ in range(600000):  # the held signal is raised within RETRY_S of the import's end
+                time.sleep(0.001)
+        assert stopped.value.signum == signal.SIGTERM
+        assert sys.modules["slow_module"].FINISHED is True
+    finally:
+        errors.restore(previous)
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        sys.modules.pop("slow_module", None)
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads a process's caught signals from /proc (Linux)")
+@pytest.mark.parametrize("sig", list(EXPECTED))
+@pytest.mark.parametrize("after_s", [0.0, 0.3])
+def test_a_stop_signal_from_the_first_instant_is_one_line_and_its_status(tmp_path, sig, after_s):
+    """From the instant the handlers are in (while the CLI and torch import) and a little later."""
+    env = {**os.environ, "FXWORKLOAD_CACHE_DIR": str(tmp_path / "cache"), "PYTHONWARNINGS": "ignore"}
+    run = subprocess.Popen([*command(), "extract", "gpt2", "--no-cache", "--out", str(tmp_path / "out")],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    try:
+        wait_for_handlers(run)
+        time.sleep(after_s)
+        run.send_signal(sig)
+        out, err = run.communicate(timeout=300)
+    finally:
+        run.kill()
+    status, line = EXPECTED[sig]
+    assert (run.returncode, err.decode().strip().splitlines()[-1:]) == (status, [line]), err
+    assert b"Traceback" not in err and b"internal error" not in err
+    assert not (tmp_path / "out").exists()
