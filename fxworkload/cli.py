@@ -259,6 +259,14 @@ def _quiet_transformers() -> None:
 
 
 def run_extract(args) -> int:
+    from .progress import heartbeat, set_stage, stage
+
+    set_stage("reading the model's config")
+    with heartbeat(lambda: f"{stage()}: still working"):  # a line at least every 10 s, whatever the stage
+        return _extract(args, set_stage)
+
+
+def _extract(args, set_stage) -> int:
     from .pipeline import check_formats, extract
 
     formats = check_formats(_formats(args.format))
@@ -277,6 +285,7 @@ def run_extract(args) -> int:
                      device=args.device, size_unit=args.size_unit, trace_on=args.trace_on,
                      use_cache=not args.no_cache, every_layer=args.every_layer, progress=True, parallel=parallel,
                      name=args.name, stack=args.stack, fp8=args.fp8)
+    set_stage(f"writing {', '.join(formats)} of {result.name}")
     summary = result.summary(args.top, formats)
     return _publish(args.out or Path("outputs") / result.name, summary, result.files(formats), result.settings)
 

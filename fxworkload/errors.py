@@ -37,6 +37,9 @@ class Terminated(BaseException):
 
 _SIGNALLED: list[int] = []  # every stop signal this run received
 _PENDING: list[int] = []  # a stop signal held until the import running when it came has finished
+# "stopping": a stop was raised and is unwinding the run (its handlers and clean-ups must not be cut by a
+# second one); "finished": the command is over, its output written (a signal now ends the process at once)
+_STATE = {"stopping": False, "finished": False}
 
 
 def exit_status(exc: BaseException) -> int:
@@ -51,6 +54,8 @@ def stop_message(exc: BaseException) -> str:
 
 
 def stop(signum: int) -> BaseException:
+    """The exception that stops the run for ``signum``; from now on the run is stopping (see _STATE)."""
+    _STATE["stopping"] = True
     return KeyboardInterrupt() if signum == signal.SIGINT else Terminated(signum)
 
 
@@ -59,6 +64,10 @@ def on_signal(signum, frame):
     Signals are also remembered, so that one swallowed by a library's bare ``except`` still stops the run
     before it writes anything (``check_signalled``)."""
     _SIGNALLED.append(signum)
+    if _STATE["finished"]:
+        _exit_now(signum)
+    if _STATE["stopping"]:
+        return  # the stop under way ends the run
     if _importing(frame):
         if not _PENDING:
             _PENDING.append(signum)
@@ -73,8 +82,24 @@ def _retry(signum, frame):
         signal.setitimer(signal.ITIMER_REAL, RETRY_S)
         return
     signal.signal(signal.SIGALRM, signal.SIG_DFL)
-    if _PENDING:
+    if _PENDING and not _STATE["stopping"]:
         raise stop(_PENDING.pop())
+
+
+def finish() -> None:
+    """The command is over: from now on a stop signal ends the process at once, with its status."""
+    _STATE["finished"] = True
+
+
+def _exit_now(signum: int) -> None:
+    import os
+    import sys
+
+    try:
+        sys.stdout.flush()
+    except (OSError, ValueError):
+        pass
+    os._exit(128 + signum)
 
 
 def _importing(frame) -> bool:
@@ -115,6 +140,7 @@ def check_signalled() -> None:
 def clear_signalled() -> None:
     """Forget the signals of an earlier run in this process (one held for an import still stops this one)."""
     _SIGNALLED.clear()
+    _STATE["stopping"] = False
 
 
 @contextlib.contextmanager

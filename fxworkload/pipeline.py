@@ -8,7 +8,6 @@ transformers or the model's code.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
 import time
@@ -37,7 +36,7 @@ from .parallel.rank import RankWorkload, rank_workload
 from .parallel.recompute import with_recompute
 from .parallel.context_parallel import with_context_parallel
 from .parallel.sequence_parallel import with_sequence_parallel
-from .progress import heartbeat, say as print_progress
+from .progress import say as print_progress
 from .workload import cache as graph_cache
 from .workload.fp8 import check_fp8, with_fp8
 from .workload.stacks import check_stack
@@ -215,15 +214,7 @@ def extract(model: str, batch: int = 1, seq: int | None = None, dtype: str = "fp
         check_positions(cached.facts, cached.seq * parallel.cp)
         workload, seq, facts = cached.workload, cached.seq, cached.facts
     else:
-        stage = ["reading the model's config"]
-
-        def said(text: str) -> None:  # the stage the heartbeat names
-            stage[0] = text.rstrip(".")
-            say(text)
-
-        with heartbeat(lambda: f"{stage[0]}: still working") if progress else contextlib.nullcontext():
-            workload, seq, facts = _capture(model, batch, seq, dtype, grad_dtype, gpu, every_layer, said, parallel,
-                                            stack)
+        workload, seq, facts = _capture(model, batch, seq, dtype, grad_dtype, gpu, every_layer, say, parallel, stack)
         say(f"captured {len(workload.ops())} ops in {time.perf_counter() - start:.1f} s")
         if use_cache:
             graph_cache.save(cache_key, graph_cache.CachedStep(workload=workload, seq=seq, facts=facts))

@@ -10,10 +10,25 @@ import time
 from typing import Callable
 
 EVERY_S = 10.0
+_STAGE = ["starting"]  # what the run said it is doing last: what a heartbeat names
 
 
 def say(text: str) -> None:
+    set_stage(text)
+    _line(text)
+
+
+def _line(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
+
+
+def set_stage(text: str) -> None:
+    """What the run is doing now, for the heartbeat, without a line of its own."""
+    _STAGE[0] = text.rstrip(". ")
+
+
+def stage() -> str:
+    return _STAGE[0]
 
 
 def on_terminal() -> bool:
@@ -21,7 +36,7 @@ def on_terminal() -> bool:
 
 
 @contextlib.contextmanager
-def heartbeat(what: str | Callable[[], str], every_s: float | None = None, out: Callable[[str], None] = say):
+def heartbeat(what: str | Callable[[], str], every_s: float | None = None, out: Callable[[str], None] = _line):
     """While the block runs, ``out`` a line every ``every_s`` seconds (default EVERY_S): ``what`` (or what
     it returns) and the seconds so far."""
     every_s = EVERY_S if every_s is None else every_s

@@ -6,46 +6,42 @@ hands over ends the run with one line and its exit status: while the CLI's modul
 waits for the import to finish, errors.py), while it runs, and after it returns (the interpreter's exit).
 """
 
-import os
+import signal
 import sys
 
 from . import errors
 
-errors.install()
+_HELD: list[int] = []
+
+
+def _hold(signum, frame):
+    """Until main() runs (the console script's own lines come between), a stop signal is held, not raised:
+    raising there would be a traceback in the script, outside any handler of ours."""
+    _HELD.append(signum)
+
+
+for _sig in errors.STOP_SIGNALS:
+    try:
+        signal.signal(_sig, _hold)
+    except ValueError:  # imported outside the main thread: not the command's entry
+        break
 
 
 def main() -> int:
     try:
+        errors.install()
+        if _HELD:
+            raise errors.stop(_HELD[0])
         from .cli import main as run
-    except (KeyboardInterrupt, errors.Terminated) as exc:
-        return _stopped(exc)
-    try:
+
         status = run()
-    except (KeyboardInterrupt, errors.Terminated) as exc:
-        return _stopped(exc)
-    _quiet_from_now_on()
+        errors.finish()  # the run is over, its files written: a signal from here on exits at once, quietly
+    except (KeyboardInterrupt, errors.Terminated) as exc:  # a second signal waits: this one is stopping the run
+        status = _stopped(exc)
+        errors.finish()
     return status
 
 
 def _stopped(exc: BaseException) -> int:
     print(errors.stop_message(exc), file=sys.stderr)
     return errors.exit_status(exc)
-
-
-def _quiet_from_now_on() -> None:
-    """The run is over and its files written: a stop signal while the interpreter exits ends it at once,
-    with its status and no traceback."""
-    import signal
-
-    def leave(signum, frame):
-        try:
-            sys.stdout.flush()
-        except (OSError, ValueError):
-            pass
-        os._exit(128 + signum)
-
-    for sig in errors.STOP_SIGNALS:
-        try:
-            signal.signal(sig, leave)
-        except ValueError:
-            return
