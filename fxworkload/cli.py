@@ -15,7 +15,8 @@ import sys
 import warnings
 from pathlib import Path
 
-from .errors import Refused, Terminated, UserError, clear_signalled, exit_status, install, restore, stop_message
+from .errors import (Refused, Terminated, UserError, clear_signalled, exit_status, install, restore, signalled, stop,
+                     stop_message)
 
 DEFAULT_DEVICE = "a100-80gb"
 
@@ -625,6 +626,8 @@ def _main(argv: list[str] | None) -> int:
         sys.stdout.flush()  # a full disk or a closed pipe on stdout is reported here, not at exit
         return code
     except UserError as exc:
+        if signalled():  # a stop signal unwound a library that reported it as its own error: the stop it is
+            return _stop_line(signalled())
         print(f"fxworkload: error: {_one_line(str(exc))}", file=sys.stderr)
         return 1 if isinstance(exc, Refused) else 2
     except (KeyboardInterrupt, Terminated) as exc:
@@ -639,8 +642,8 @@ def _main(argv: list[str] | None) -> int:
         print(f"fxworkload: error: {exc.strerror or type(exc).__name__}{where}", file=sys.stderr)
         return 1
     except Exception as exc:  # a bug of ours: one line saying so; FXWORKLOAD_DEBUG=1 shows the traceback
-        import os
-
+        if signalled():  # ...unless a stop signal unwound code that turned it into another error
+            return _stop_line(signalled())
         if os.environ.get("FXWORKLOAD_DEBUG"):
             raise
         print(f"fxworkload: internal error: {type(exc).__name__}: {_one_line(str(exc))[:300]} (a bug: please "
@@ -666,6 +669,12 @@ def _verbose(on: bool):
             os.environ.pop("FXWORKLOAD_VERBOSE", None)
         else:
             os.environ["FXWORKLOAD_VERBOSE"] = before
+
+
+def _stop_line(signum: int) -> int:
+    exc = stop(signum)
+    print(stop_message(exc), file=sys.stderr)
+    return exit_status(exc)
 
 
 MAX_MESSAGE_CHARS = 600

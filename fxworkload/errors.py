@@ -87,8 +87,17 @@ def _retry(signum, frame):
 
 
 def finish() -> None:
-    """The command is over: from now on a stop signal ends the process at once, with its status."""
+    """The command is over, its output written or refused: a stop signal from now on is ignored, and the
+    process exits with the run's own status. Python's finalization (0.8 s after a run that imported torch)
+    resets every Python-level handler to the default first (CPython's _PySignal_Fini), so a signal then
+    would kill the process with no line; it leaves an ignored signal ignored. Blocking would not do: a
+    signal goes to any thread that does not block it (tqdm's monitor, say)."""
     _STATE["finished"] = True
+    for sig in STOP_SIGNALS:
+        try:
+            signal.signal(sig, signal.SIG_IGN)
+        except (OSError, ValueError):
+            pass
 
 
 def _exit_now(signum: int) -> None:
@@ -130,6 +139,13 @@ def record_signal(signum, frame):
     transformers' imports, pybind11 aborts the process on a Python exception it cannot pass on),
     the caller checks afterwards (``check_signalled``)."""
     _SIGNALLED.append(signum)
+
+
+def signalled() -> int | None:
+    """The stop signal this run received (SIGTERM or SIGHUP before Ctrl-C), or None."""
+    if not _SIGNALLED:
+        return None
+    return next((s for s in _SIGNALLED if s != signal.SIGINT), signal.SIGINT)
 
 
 def check_signalled() -> None:

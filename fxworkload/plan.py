@@ -27,6 +27,7 @@ import importlib
 import itertools
 import json
 import multiprocessing
+import multiprocessing.pool
 import os
 import signal
 import socket
@@ -283,7 +284,8 @@ def _plan(model, gpus, global_batch, seq, dtype, workers, ray, progress, stack, 
     dropped["does not fit in memory"] = sum(1 for r in rows if not r["fits"])
     return {"model": facts.name, "gpus": gpus, "global_batch": global_batch, "seq": seq, "dtype": dtype, "fp8": fp8,
             "stack": stack, "device": ",".join(p.name for p in profiles), "cp": list(cps), "evaluated": len(rows),
-            "shapes": len(groups), "dropped": dropped, "ranked": fitting, "why": why_best(fitting)}
+            "shapes": len(groups), "dropped": dropped, "ranked": fitting,
+            "why": why_best(fitting) + network_lines(fitting[:1], profiles)}
 
 
 def _order(row: dict) -> tuple:
@@ -308,6 +310,29 @@ def why_best(ranked: list[dict]) -> list[str]:
         lines.append(f"{choice} {best[choice]} over {other[choice]}: the best {choice} {other[choice]} layout is "
                      f"{other['step_ms'] - best['step_ms']:.0f} ms slower ({said or 'by rounding'})")
     return lines
+
+
+def network_lines(best: list[dict], profiles) -> list[str]:
+    """Where the best layout's gradients travel: its data-parallel group's nodes and what the network gives
+    it there (cluster/network.py: the group's ranks per node, each with one GPU's share of the node's NICs)."""
+    from .cluster.network import bus_bytes_per_s, group_layout
+    from .parallel.layout import Parallel
+
+    if not best:
+        return []
+    row = best[0]
+    profile = next(p for p in profiles if p.name == row["device"])
+    ranks, nodes = group_layout("dp", Parallel(dp=row["dp"], tp=row["tp"], cp=row["cp"], pp=row["pp"]),
+                                profile.gpus_per_node)
+    if ranks <= 1:
+        return []
+    bus = bus_bytes_per_s(ranks, nodes, profile) / 1e9
+    if nodes == 1:
+        return [f"network: the data-parallel group of {ranks} stays inside a node: NVLink, {bus:.0f} GB/s"]
+    per_node = ranks // nodes
+    capped = " (capped by NVLink)" if bus * 1e9 < per_node * profile.inter_node_bytes_per_s else ""
+    return [f"network: dp {ranks} over {nodes} nodes uses {per_node} GPU{'s' if per_node > 1 else ''}' NIC share a "
+            f"node: {bus:.0f} GB/s{capped}"]
 
 
 def check_cp_degrees(cp) -> tuple[int, ...]:
@@ -556,7 +581,56 @@ def _pool(count: int):
     # Spawned, not forked: a fork of this threaded process (torch's, the caller's threads) can inherit a
     # lock another thread held and hang in the child. (A fork server that imports torch once and forks the
     # workers from it starts them no sooner on two cores, where the spawned workers import side by side.)
-    return multiprocessing.get_context("spawn").Pool(count, initializer=_worker_start)
+    from .errors import signals_held
+
+    made = []
+    try:  # a stop signal waits for the pool to be whole (Pool.__init__ cleans up after an Exception only)...
+        with _children_quiet(), signals_held():
+            made.append(_WorkersOnce(count, initializer=_worker_start, context=multiprocessing.get_context("spawn")))
+    except BaseException:  # ...and then ends it: no worker, thread or finalizer of it outlives the run
+        for pool in made:
+            pool.terminate()
+            pool.join()
+        raise
+    return made[0]
+
+
+class _WorkersOnce(multiprocessing.pool.Pool):
+    """A pool whose workers are all started with it, and none later. multiprocessing's pool replaces a worker
+    that exited from its handler thread, at any instant (also while the plan stops: the new process then
+    finds its parent's semaphores gone and prints Python's traceback on the caller's stderr). A plan's workers
+    never exit on their own (no maxtasksperchild), and a replacement would not run a lost task again anyway."""
+
+    @staticmethod
+    def _maintain_pool(ctx, Process, processes, pool, inqueue, outqueue, initializer, initargs, maxtasksperchild,
+                       wrap_exception):
+        multiprocessing.pool.Pool._join_exited_workers(pool)  # reaped, not replaced
+
+
+@contextlib.contextmanager
+def _children_quiet():
+    """Processes started in the block (the pool's workers, multiprocessing's resource tracker) get /dev/null
+    for stdout and stderr from their first instant: a worker whose parent stops while it is still reading its
+    start-up data from it (multiprocessing's spawn_main, before the initializer runs) would print Python's
+    EOFError traceback on the caller's stderr, and would hold the caller's pipe while it does."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            stream.flush()
+    try:
+        saved = [os.dup(1), os.dup(2)]
+    except OSError:  # no fd 1 or 2 to hide
+        yield
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 1)
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for fd in (*saved, devnull):
+            os.close(fd)
 
 
 def _kept(rows: list[dict], entry) -> list[dict]:

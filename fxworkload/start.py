@@ -20,7 +20,16 @@ def _hold(signum, frame):
     _HELD.append(signum)
 
 
-for _sig in errors.STOP_SIGNALS:
+def _spawned_child() -> bool:
+    """A multiprocessing worker runs the command's main module again (spawn), which imports this one: its
+    signals are its pool's (SIGTERM from Pool.terminate must end it at once, not be held). multiprocessing
+    marks a child it is preparing so (multiprocessing/spawn.py, _main: current_process()._inheriting = True,
+    while it runs the main module with the parent's sys.argv); the command itself has not imported it."""
+    process = sys.modules.get("multiprocessing.process")
+    return process is not None and bool(getattr(process.current_process(), "_inheriting", False))
+
+
+for _sig in () if _spawned_child() else errors.STOP_SIGNALS:
     try:
         signal.signal(_sig, _hold)
     except ValueError:  # imported outside the main thread: not the command's entry

@@ -62,14 +62,14 @@ def folder(*parts: str, create: bool = False) -> Path | None:
 def check_folder(path: Path) -> None:
     """The folder and every folder above it are safe to read code-free data from (see the module)."""
     real = Path(os.path.realpath(path))
-    inside = {Path(os.path.realpath(cache_dir()))}
+    root = Path(os.path.realpath(cache_dir()))
     for at in (real, *real.parents):
         try:
             info = os.stat(at)
         except OSError:
             continue
         trusted = {os.geteuid(), 0}
-        below_cache = at == real or any(at == c or c in at.parents for c in inside)
+        below_cache = at == root or root in at.parents  # the cache's own folders: closed to others, sticky or not
         if info.st_uid not in trusted:
             raise UserError(f"cache folder {at} belongs to another user (uid {info.st_uid}): whoever owns it could "
                             "change what this run reads; point FXWORKLOAD_CACHE_DIR at a folder of your own")

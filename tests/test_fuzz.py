@@ -303,6 +303,8 @@ def _damage(cache: Path, damage) -> bool:
             document = json.loads(data)
         except ValueError:  # garbled by an earlier example already
             return False
+        if not isinstance(document, dict) or "data" not in document:
+            return False
         node = document["data"]
         while isinstance(node, (dict, list)) and node:
             keys = list(node) if isinstance(node, dict) else list(range(len(node)))

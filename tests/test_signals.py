@@ -84,3 +84,42 @@ def test_a_stop_signal_from_the_first_instant_is_one_line_and_its_status(tmp_pat
     assert (run.returncode, err.decode().strip().splitlines()[-1:]) == (status, [line]), err
     assert b"Traceback" not in err and b"internal error" not in err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("raised", [errors.UserError("cannot build m (llama): trying to pop from empty mode stack"),
+                                    RuntimeError("trying to pop from empty mode stack")])
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGHUP])
+def test_an_error_a_stop_signal_caused_is_reported_as_the_stop(tiny_dirs, tmp_path, monkeypatch, raised, sig):
+    """The fuzzer's case: Ctrl-C inside the meta model's build unwound torch's mode stack, and the build's
+    handler reported "cannot build ... check the config" (exit 2). A run that received a stop signal stops."""
+    import fxworkload.pipeline as pipeline
+
+    from .test_cli import in_process
+
+    def interrupted(*args, **kwargs):
+        errors.record_signal(sig, None)  # the signal came, a library caught what it raised...
+        raise raised  # ...and raised its own error instead
+
+    monkeypatch.setattr(pipeline, "extract", interrupted)
+    run = in_process("extract", tiny_dirs["gpt2"], "--seq", 16, "--out", tmp_path / "out")
+    status, line = EXPECTED[sig]
+    assert (run.returncode, run.stderr.strip().splitlines()) == (status, [line]), run.stderr
+
+
+def test_a_spawned_worker_keeps_the_default_sigterm(tmp_path):
+    """The fuzzer's hang: a plan worker runs the console script again as it starts (spawn), which imported
+    start.py, whose handler held the SIGTERM of Pool.terminate; the worker lived on and the plan waited for it
+    forever. A child multiprocessing is preparing installs nothing."""
+    script = tmp_path / "entry.py"
+    script.write_text(
+        "import signal, sys\n"
+        "import fxworkload.start  # what the console script imports first\n"
+        "def default_sigterm():\n"
+        "    return signal.getsignal(signal.SIGTERM) is signal.SIG_DFL\n"
+        "if __name__ == '__main__':\n"
+        "    import multiprocessing\n"
+        "    assert signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL  # the command itself: handled\n"
+        "    with multiprocessing.get_context('spawn').Pool(1) as pool:\n"
+        "        print(pool.apply(default_sigterm))\n")
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert (run.returncode, run.stdout.strip()) == (0, "True"), run.stderr

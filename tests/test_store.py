@@ -129,6 +129,17 @@ def test_a_folder_above_may_be_world_writable_only_with_the_sticky_bit(tmp_path,
         store.check_folder(common / "mine")
 
 
+def test_a_cache_folder_not_made_yet_under_a_sticky_folder_is_made_the_users_alone(gpt2, tmp_path, monkeypatch):
+    """FXWORKLOAD_CACHE_DIR=/tmp/<new>: /tmp is world-writable but sticky, so the new folder is safe to make."""
+    common = tmp_path / "common"
+    common.mkdir()
+    os.chmod(common, 0o1777)
+    monkeypatch.setenv("FXWORKLOAD_CACHE_DIR", str(common / "new" / "cache"))
+    extract(gpt2, seq=8, device="h100-sxm")
+    assert stat.S_IMODE((common / "new" / "cache").stat().st_mode) == 0o700
+    assert len(list((common / "new" / "cache" / "graphs").glob("*.json"))) == 1
+
+
 def test_a_cache_folder_another_user_owns_is_refused(gpt2, cache, tmp_path, monkeypatch):
     cache.mkdir()
     if os.geteuid() == 0:  # root: give the folder to 'nobody'

@@ -5,13 +5,22 @@ ncclTopoTuneModel and ncclTopoGetAlgoTime); for the large buffers of training (M
 protocol is Simple, and the figures here are that protocol's in the current table (NCCL 2.2x):
 - ring: latency = baseLat + (steps - inter-node steps) x NVLink hop + inter-node steps x network
   hop, with steps = 2(n-1) for all-reduce, n-1 for all-gather and reduce-scatter, n for
-  all-to-all, and inter-node steps the same counts over nodes; bandwidth: the per-GPU bus
-  bandwidth of the slowest link the ring crosses (NVLink inside a node, the GPU's share of the
-  network otherwise) times n / steps;
+  all-to-all, and inter-node steps the same counts over nodes; bandwidth: the bus bandwidth of
+  the slowest link the ring crosses (NVLink inside a node; across nodes, the network share of the
+  group's ranks on a node: see below) times n / steps;
 - tree (all-reduce only, as in NCCL): latency = baseLat + 2((n/nodes - 1) x NVLink hop + log2(nodes)
   x network hop), bandwidth 0.92 x the bus bandwidth x 1/2 (a reduce up and a broadcast down);
 - an all-reduce takes the faster of the two, as NCCL's tuner does: the tree once a group spans
   enough nodes that the ring's linear latency outweighs the tree's 8 % less bandwidth.
+
+Across nodes, NCCL runs one ring (or tree) per channel and spreads its channels over the NICs near
+the group's GPUs (rail-optimised HGX/DGX systems give each GPU its own NIC; PXN lets a GPU use a
+rail's NIC through NVLink): a group with r ranks on each node moves its data through r GPUs' NICs.
+Every group of a layout runs its collective at the same time (each tensor-parallel rank has its own
+data-parallel group), so the node's network is shared in proportion to the GPUs: a group gets r x
+``inter_node_bytes_per_s`` (one GPU's share of the node's NICs), capped by NVLink. A data-parallel
+group of 64 ranks over 8 nodes at tp 1 therefore moves 8 GPUs' share (400 GB/s on a DGX H100's eight
+400 Gb/s ports, under NVLink's 450), while at tp 8 each of its ranks is alone on its node (50 GB/s).
 
 Ranks are placed as Megatron-LM orders them (its default order "tp-cp-ep-dp-pp"): tensor-parallel
 innermost, then context-parallel, then data-parallel (expert-parallel carved out of it), pipeline
@@ -41,7 +50,7 @@ STEPS = {"ALLREDUCE": lambda n: 2 * (n - 1), "ALLGATHER": lambda n: n - 1, "REDU
 
 
 def group_layout(group: str, p: Parallel, gpus_per_node: int) -> tuple[int, int]:
-    """(ranks, nodes) of a tensor-, expert- or data-parallel group under Megatron's rank order."""
+    """(ranks, nodes holding them) of a tensor-, expert- or data-parallel group under Megatron's rank order."""
     if group == "tp":
         ranks, stride = p.tp, 1
     elif group == "dp":
@@ -54,8 +63,9 @@ def group_layout(group: str, p: Parallel, gpus_per_node: int) -> tuple[int, int]
         ranks, stride = p.dp // p.ep, p.tp * p.cp * p.ep
     else:
         raise KeyError(group)
-    span = ranks * stride
-    return ranks, max(1, math.ceil(span / gpus_per_node))
+    if stride >= gpus_per_node:  # each rank on a node of its own (the nodes between hold other groups)
+        return ranks, ranks
+    return ranks, max(1, math.ceil(ranks * stride / gpus_per_node))
 
 
 def collective_ns(comm_type: str, nbytes: float, ranks: int, nodes: int, device: DeviceProfile) -> float:
@@ -65,22 +75,27 @@ def collective_ns(comm_type: str, nbytes: float, ranks: int, nodes: int, device:
     return min(ring, tree_all_reduce_ns(nbytes, ranks, nodes, device)) if comm_type == "ALLREDUCE" else ring
 
 
-def _bus_bytes_per_s(nodes: int, device: DeviceProfile) -> float:
-    return device.intra_node_bytes_per_s if nodes == 1 else device.inter_node_bytes_per_s
+def bus_bytes_per_s(ranks: int, nodes: int, device: DeviceProfile) -> float:
+    """A group's bus bandwidth: NVLink inside a node; across nodes, its ranks per node times one GPU's share
+    of the node's network, capped by NVLink (the module's docstring)."""
+    if nodes == 1:
+        return device.intra_node_bytes_per_s
+    per_node = max(1, ranks // nodes)
+    return min(device.intra_node_bytes_per_s, per_node * device.inter_node_bytes_per_s)
 
 
 def ring_ns(comm_type: str, nbytes: float, ranks: int, nodes: int, device: DeviceProfile) -> float:
     steps = STEPS[comm_type](ranks)
     inter_steps = STEPS[comm_type](nodes) if nodes > 1 else 0
     latency = BASE_LATENCY_NS + (steps - inter_steps) * NVLINK_HOP_NS + inter_steps * NETWORK_HOP_NS
-    return latency + nbytes / (_bus_bytes_per_s(nodes, device) * ranks / steps) * 1e9
+    return latency + nbytes / (bus_bytes_per_s(ranks, nodes, device) * ranks / steps) * 1e9
 
 
 def tree_all_reduce_ns(nbytes: float, ranks: int, nodes: int, device: DeviceProfile) -> float:
     per_node = ranks // nodes
     latency = BASE_LATENCY_NS + 2 * ((per_node - 1) * TREE_NVLINK_HOP_NS
                                      + int(math.log2(nodes)) * TREE_NETWORK_HOP_NS)
-    return latency + nbytes / (_bus_bytes_per_s(nodes, device) * TREE_BUS_EFFICIENCY / 2) * 1e9
+    return latency + nbytes / (bus_bytes_per_s(ranks, nodes, device) * TREE_BUS_EFFICIENCY / 2) * 1e9
 
 
 def comm_ns(comm: Comm, p: Parallel, device: DeviceProfile) -> float:
