@@ -123,3 +123,27 @@ def test_a_spawned_worker_keeps_the_default_sigterm(tmp_path):
         "        print(pool.apply(default_sigterm))\n")
     run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
     assert (run.returncode, run.stdout.strip()) == (0, "True"), run.stderr
+
+
+def test_a_signal_after_the_command_is_over_leaves_its_status(tmp_path):
+    """The fuzzer's case: a run whose output was written got SIGHUP while the interpreter exited (torch's teardown
+    is about 0.8 s) and died of it with no line. Once the command is over a stop signal changes nothing."""
+    marker = tmp_path / "exiting"
+    script = tmp_path / "entry.py"
+    script.write_text(
+        "import atexit, sys, time\n"
+        "from fxworkload.start import main\n"
+        f"atexit.register(lambda: (open({str(marker)!r}, 'w').close(), time.sleep(2)))  # a slow exit\n"
+        "sys.argv = ['fxworkload', 'models']\n"
+        "sys.exit(main())\n")
+    run = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 300
+        while not marker.exists():
+            assert run.poll() is None and time.monotonic() < deadline, run.stderr.read()
+            time.sleep(0.01)
+        run.send_signal(signal.SIGHUP)
+        out, err = run.communicate(timeout=300)
+    finally:
+        run.kill()
+    assert run.returncode == 0 and b"gpt2" in out and err == b"", err
