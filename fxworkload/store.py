@@ -139,8 +139,10 @@ def write(path: Path, kind: str, key: str, data) -> None:
     if folder(*path.parent.relative_to(cache_dir()).parts, create=True) is None:
         return
     try:
+        # keys in the order given (not sorted): what is read back is the data as it was, dict order included
+        # (a table's files list an op's attention facts in their order; a cached run writes the same bytes)
         text = json.dumps({"schema": SCHEMA, "kind": kind, "key": key, "data": data},
-                          sort_keys=True, separators=(",", ":"), allow_nan=False)
+                          separators=(",", ":"), allow_nan=False)
     except (TypeError, ValueError) as exc:
         note(f"cache: {path.name} not written ({exc})")
         return

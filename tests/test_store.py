@@ -85,6 +85,19 @@ def test_a_planted_pickle_runs_nothing_and_the_step_is_captured_again(gpt2, cach
     assert json.loads(entry.read_text())["kind"] == "captured-step"  # rewritten by the recapture
 
 
+def test_a_run_read_from_the_cache_writes_the_same_bytes_as_the_run_that_captured(gpt2, cache, tmp_path):
+    """make run twice: the second reads the step from the cache; every file it writes is byte-identical (the
+    attention facts' keys were once read back sorted)."""
+    args = ("extract", gpt2, "--seq", 16, "--device", "h100-sxm", "--format", "tables,simai,chrome-trace")
+    assert in_process(*args, "--out", tmp_path / "captured").returncode == 0
+    assert in_process(*args, "--out", tmp_path / "cached").returncode == 0
+    names = sorted(p.name for p in (tmp_path / "captured").iterdir())
+    assert names == sorted(p.name for p in (tmp_path / "cached").iterdir())
+    assert '"attention": {' in (tmp_path / "captured" / "workload.json").read_text()  # facts to order
+    for name in names:
+        assert (tmp_path / "captured" / name).read_bytes() == (tmp_path / "cached" / name).read_bytes(), name
+
+
 def _one_line(run, *says):
     lines = run.stderr.strip().splitlines()
     assert run.returncode == 2 and len(lines) == 1, run.stderr
