@@ -330,3 +330,18 @@ def test_context_parallelism_cannot_stretch_a_sequence_past_the_models_positions
     assert run.returncode == 2 and says in run.stderr, run.stderr
     assert not (tmp_path / "never").exists()
     assert in_process("extract", four_layers, "--seq", 64, *cp, "--out", tmp_path / "b").returncode == 0
+
+
+def test_a_plan_asked_again_never_imports_torch(four_layers, tmp_path):
+    """Every shape's rows and the model's facts come from the cache, and what the plan says of them (its 'why'
+    lines, the network's among them) needs no torch: the warm path's speed (bench/plan_speed.py) rests on it."""
+    env = {**os.environ, "FXWORKLOAD_CACHE_DIR": str(tmp_path / "cache"), "PYTHONWARNINGS": "ignore"}
+    args = ["plan", four_layers, "--gpus", "16", "--global-batch", "16", "--seq", "16", "--workers", "1"]
+    code = ("import sys; from fxworkload.cli import main; "
+            f"code = main({args!r} + ['--out', sys.argv[1]]); print(code, 'torch' in sys.modules)")
+    cold = subprocess.run([sys.executable, "-c", code, str(tmp_path / "cold")], capture_output=True, text=True, env=env)
+    warm = subprocess.run([sys.executable, "-c", code, str(tmp_path / "warm")], capture_output=True, text=True, env=env)
+    assert cold.stdout.split()[-2:-1] == ["0"], cold.stderr
+    assert warm.stdout.split()[-2:] == ["0", "False"], warm.stderr
+    assert (tmp_path / "warm" / "plan.txt").read_bytes() == (tmp_path / "cold" / "plan.txt").read_bytes()
+    assert "why: network:" in (tmp_path / "warm" / "plan.txt").read_text()

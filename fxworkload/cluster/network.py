@@ -31,12 +31,15 @@ context-parallel ranks together (group "dp": dp x cp ranks).
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 from ..cost.devices import DeviceProfile
 from ..errors import UserError
 from ..memo import Memo
 from ..parallel.layout import Parallel
-from ..parallel.units import Comm
+
+if TYPE_CHECKING:  # a type only: the units import torch, and plan's "why" reads this module without it
+    from ..parallel.units import Comm
 
 # NVIDIA/nccl src/graph/tuning.cc, Simple protocol: baseLat and hwLat (NVLink, network), in µs there.
 BASE_LATENCY_NS = 8_400.0
