@@ -22,21 +22,32 @@ class RecordError(ValueError):
 
 def encode(value):
     """A JSON value of ``value``: dataclasses as objects of their fields, tuples and sets as arrays."""
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: encode(getattr(value, f.name)) for f in dataclasses.fields(value)}
-    if isinstance(value, (list, tuple)):
+    kind = type(value)
+    if kind in _PLAIN:  # most values: checked first (a captured 70B step encodes ~400,000 of them)
+        return value
+    if kind is float:
+        if not math.isfinite(value):
+            raise RecordError(f"a non-finite number ({value}) is not written")
+        return value
+    if kind in (list, tuple):
         return [encode(v) for v in value]
-    if isinstance(value, (set, frozenset)):
-        return sorted(encode(v) for v in value)
-    if isinstance(value, dict):
+    if kind is dict:
         if not all(isinstance(k, str) for k in value):
             raise RecordError("a dict with keys other than strings cannot be written as JSON")
         return {k: encode(v) for k, v in value.items()}
-    if isinstance(value, float) and not math.isfinite(value):
-        raise RecordError(f"a non-finite number ({value}) is not written")
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    raise RecordError(f"{type(value).__name__} is not a record field type")
+    if kind in (set, frozenset):
+        return sorted(encode(v) for v in value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {name: encode(getattr(value, name)) for name in _field_names(kind)}
+    raise RecordError(f"{kind.__name__} is not a record field type")
+
+
+_PLAIN = frozenset({str, int, bool, type(None)})
+
+
+@functools.cache
+def _field_names(cls) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(cls))
 
 
 def decode(value, hint, where: str = "entry"):
