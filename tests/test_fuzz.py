@@ -430,19 +430,9 @@ STOPPED = {signal.SIGINT: (130, "fxworkload: interrupted"), signal.SIGTERM: (143
            signal.SIGHUP: (129, "fxworkload: hung up")}
 
 
-def _session_alive(sid: int) -> list[int]:
-    alive = []
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            if os.getsid(int(entry)) == sid and "\nState:\tZ" not in Path(f"/proc/{entry}/status").read_text():
-                alive.append(int(entry))
-        except OSError:
-            pass
-    return alive
-
-
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads processes and their caught signals from /proc (Linux)")
 def test_stop_signals_at_random_instants_end_in_one_line_and_leave_nothing(world, tmp_path):
+    from .test_plan import _session as _session_alive
     from .test_signals import command, wait_for_handlers
 
     runs = {"count": 0}
