@@ -60,8 +60,8 @@ LAYOUTS = {
     "llama-8b-tp8": ("llama-3-8b", 8192, 1, "bf16", Parallel(tp=8, sp=True, micro_batches=4)),
     "mixtral-ep2": ("mixtral-8x7b", 4096, 1, "bf16", Parallel(tp=2, pp=2, dp=2, ep=2, sp=True, micro_batches=4,
                                                              zero=1)),
-    "llama-8b-cp-ring": ("llama-3-8b", 16384, 1, "bf16", Parallel(tp=2, cp=2, pp=2, sp=True, micro_batches=4, zero=1)),
-    "llama-8b-cp-allgather": ("llama-3-8b", 16384, 1, "bf16", Parallel(tp=2, cp=4, sp=True, micro_batches=2,
+    "llama-8b-cp-ring": ("llama-3-8b", 8192, 1, "bf16", Parallel(tp=2, cp=2, pp=2, sp=True, micro_batches=4, zero=1)),
+    "llama-8b-cp-allgather": ("llama-3-8b", 8192, 1, "bf16", Parallel(tp=2, cp=4, sp=True, micro_batches=2,
                                                                         cp_comm="allgather")),
 }
 

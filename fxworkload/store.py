@@ -169,10 +169,6 @@ def note(text: str) -> None:
         print(f"fxworkload: {text}", file=sys.stderr, flush=True)
 
 
-def notes() -> list[str]:
-    return list(_NOTES)
-
-
 def _skip(path: Path, why: str):
     note(f"cache: {path} {why}: not used, the work is done again")
     return None
