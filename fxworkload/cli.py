@@ -19,6 +19,9 @@ from .errors import (Refused, Terminated, UserError, clear_signalled, exit_statu
                      stop_message)
 
 DEFAULT_DEVICE = "a100-80gb"
+TOPOLOGY_HELP = ("the network, over the device profile's own: nvlink-domain, gpus-per-node, nics-per-node, nic-gbps, "
+                 "nvlink-gbps, nvlink-sharp (on/off), leaf-gpus, oversubscription; e.g. nic-gbps=200,oversubscription=2,"
+                 "leaf-gpus=256 (see docs/network.md)")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -36,6 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     extract.add_argument("--grad-dtype", default=None, help="gradient dtype for all-reduce sizes (default: --dtype)")
     extract.add_argument("--device", default=DEFAULT_DEVICE, help=f"device profile (default {DEFAULT_DEVICE}; see 'fxworkload devices')")
     extract.add_argument("--stack", default="eager", help=STACK_HELP)
+    extract.add_argument("--topology", default=None, metavar="KEY=VALUE,...", help=TOPOLOGY_HELP)
     extract.add_argument("--fp8", action="store_true", help=FP8_HELP)
     extract.add_argument("--size-unit", choices=["bytes", "elements"], default="bytes",
                          help="unit of the gradient all-reduce sizes in workload.tsv (default bytes)")
@@ -96,6 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--seq", type=int, required=True, help="sequence length")
     plan.add_argument("--device", default="h100-sxm",
                       help="device profile, or several comma-separated to compare them (default h100-sxm)")
+    plan.add_argument("--topology", default=None, metavar="KEY=VALUE,...", help=TOPOLOGY_HELP)
     plan.add_argument("--cp", default="1", help="context-parallel degrees to search, comma-separated (default 1)")
     plan.add_argument("--fp8", action="store_true", help=FP8_HELP)
     plan.add_argument("--dtype", default="bf16", help="parameter and activation dtype: fp32, bf16 or fp16 (default bf16, "
@@ -281,11 +286,12 @@ def _extract(args, set_stage) -> int:
     if "chrome-trace" in formats or "chakra" in formats:
         from .cluster.network import check_device
         from .pipeline import load_device
-        check_device(load_device(args.device), parallel)
+        from .cost.devices import with_topology
+        check_device(with_topology(load_device(args.device), args.topology), parallel)
     result = extract(args.model, batch=args.batch, seq=args.seq, dtype=args.dtype, grad_dtype=args.grad_dtype,
                      device=args.device, size_unit=args.size_unit, trace_on=args.trace_on,
                      use_cache=not args.no_cache, every_layer=args.every_layer, progress=True, parallel=parallel,
-                     name=args.name, stack=args.stack, fp8=args.fp8)
+                     name=args.name, stack=args.stack, fp8=args.fp8, topology=args.topology)
     set_stage(f"writing {', '.join(formats)} of {result.name}")
     summary = result.summary(args.top, formats)
     return _publish(args.out or Path("outputs") / result.name, summary, result.files(formats), result.settings)
@@ -406,12 +412,12 @@ def run_plan(args) -> int:
     _quiet_transformers()
     result = plan(args.model, gpus=args.gpus, global_batch=args.global_batch, seq=args.seq, device=args.device,
                   dtype=args.dtype, workers=args.workers, ray=args.ray, progress=True, stack=args.stack,
-                  cp=_degrees(args.cp, "--cp"), fp8=args.fp8)
+                  cp=_degrees(args.cp, "--cp"), fp8=args.fp8, topology=args.topology)
     text = plan_text(result, args.top)
     out = args.out or Path("outputs") / f"{result['model']}-plan-{args.gpus}"
     return _publish(out, text, {"plan.json": json.dumps(result, indent=1, sort_keys=True) + "\n", "plan.txt": text},
                     {k: result[k] for k in ("model", "gpus", "global_batch", "seq", "dtype", "fp8", "device", "stack",
-                                            "cp")})
+                                            "cp", "topology") if k in result})
 
 
 def _degrees(text: str, option: str) -> tuple[int, ...]:

@@ -167,7 +167,8 @@ def extract(model: str, batch: int = 1, seq: int | None = None, dtype: str = "fp
             grad_dtype: str | None = None, device: str = "a100-80gb", size_unit: str = "bytes",
             trace_on: str = "auto", use_cache: bool = True, every_layer: bool = False,
             progress: bool = False, parallel: Parallel | None = None, name: str | None = None,
-            stack: str = "eager", fp8: bool = False, rank_view: bool = True) -> Extraction:
+            stack: str = "eager", fp8: bool = False, rank_view: bool = True,
+            topology: str | None = None) -> Extraction:
     """One training step of ``model`` (a built-in name, checkpoint folder, config.json or cached
     HuggingFace id), costed on ``device``; ``name`` replaces the model's name in the outputs.
     ``trace_on`` is whose dispatch the graph follows: ``auto`` (the device profile's: a GPU profile
@@ -176,6 +177,7 @@ def extract(model: str, batch: int = 1, seq: int | None = None, dtype: str = "fp
     ``batch`` is the micro-batch of one rank; with tp or ep > 1 the rank's share of the model is traced;
     ``stack`` the execution stack whose kernels and saved activations are costed (workload/stacks.py);
     ``fp8``: the decoder layers' linear GEMMs in FP8 as Transformer Engine runs them (workload/fp8.py).
+    ``topology``: ``--topology key=value,...`` over the device's own network (cost/topology.py).
     ``rank_view=False`` stops at the costed step (a ``CostedStep``: what a layout search evaluates
     its layouts from), without the rank's units and memory for ``parallel``."""
     grad_dtype = dtype if grad_dtype is None else grad_dtype
@@ -185,7 +187,7 @@ def extract(model: str, batch: int = 1, seq: int | None = None, dtype: str = "fp
     check_stack(stack)
     if name is not None:
         check_name(name, "--name")
-    profile = load_device(device, say=print_progress if progress else None)
+    profile = devices.with_topology(load_device(device, say=print_progress if progress else None), topology)
     if fp8:
         check_fp8(profile, dtype)
     elif parallel.fp8_param_gather:
@@ -237,6 +239,8 @@ def extract(model: str, batch: int = 1, seq: int | None = None, dtype: str = "fp
                 "traced_on": traced_on, "size_unit": size_unit, "parallel": parallel.as_dict(),
                 "fxworkload_version": __version__, "torch_version": torch.__version__,
                 "transformers_version": metadata.version("transformers")}
+    if topology:
+        settings["topology"] = topology
     rank = rank_workload(facts, workload, parallel, batch, seq, dtype, grad_dtype)
     memory = rank_memory(rank.parallel, rank.units, workload, dtype, grad_dtype, captured_saved_bytes,
                          regenerated_bytes, profile.memory_capacity_bytes)

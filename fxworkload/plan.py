@@ -124,12 +124,13 @@ def _divisors(n: int) -> list[int]:
 
 def evaluate_shape(model: str, shape: Shape, layouts: list, seq: int, dtype: str, device: str,
                    stack: str = "eager", grad_dtype: str | None = None, fp8: bool = False,
-                   time_unfit: bool = True) -> list[dict]:
+                   time_unfit: bool = True, topology: str | None = None) -> list[dict]:
     """Capture (or read from the cache) one rank shape and evaluate each of its layouts: its memory first,
     then, where it fits (or with ``time_unfit``), its step. A layout that does not fit gets no step figures
     (None): a plan ranks only those that fit, and most layouts of a large model do not."""
     with _collector_paused():
-        return _evaluate_shape(model, shape, layouts, seq, dtype, device, stack, grad_dtype or dtype, fp8, time_unfit)
+        return _evaluate_shape(model, shape, layouts, seq, dtype, device, stack, grad_dtype or dtype, fp8, time_unfit,
+                               topology)
 
 
 @contextlib.contextmanager
@@ -147,14 +148,15 @@ def _collector_paused():
             gc.enable()
 
 
-def _evaluate_shape(model, shape, layouts, seq, dtype, device, stack, grad_dtype, fp8, time_unfit) -> list[dict]:
+def _evaluate_shape(model, shape, layouts, seq, dtype, device, stack, grad_dtype, fp8, time_unfit,
+                    topology=None) -> list[dict]:
     from .dtypes import DTYPES
     from .parallel.recompute import with_recompute
     from .pipeline import extract
 
     first = layouts[0]
     base = extract(model, batch=shape.micro_batch, seq=seq, dtype=dtype, grad_dtype=grad_dtype, device=device,
-                   stack=stack, fp8=fp8, rank_view=False,
+                   stack=stack, fp8=fp8, rank_view=False, topology=topology,
                    parallel=replace(first, pp=1, vpp=1, pp_layers=None, micro_batches=1, zero=0, recompute="none",
                                     recompute_layers=None))
     facts, captured, profile, seq = base.facts, base.workload, base.device, base.seq_per_rank
@@ -236,15 +238,16 @@ def _parts_ms(step) -> dict[str, float]:
 
 def plan(model: str, gpus: int, global_batch: int, seq: int, device: str = "h100-sxm", dtype: str = "bf16",
          workers: int | None = None, ray: str | None = None, progress: bool = False, stack: str = "eager",
-         cp: tuple[int, ...] = (1,), fp8: bool = False) -> dict:
+         cp: tuple[int, ...] = (1,), fp8: bool = False, topology: str | None = None) -> dict:
     """``device``: one profile name or several, comma-separated (every layout is evaluated on each);
-    ``cp``: the context-parallel degrees to search; ``fp8``: every layout trains in FP8 (workload/fp8.py)."""
+    ``cp``: the context-parallel degrees to search; ``fp8``: every layout trains in FP8 (workload/fp8.py);
+    ``topology``: ``--topology key=value,...`` over each device's own network (cost/topology.py)."""
     from .workload.stacks import check_stack
 
     check_plan_counts(gpus, global_batch)
     check_stack(stack)
     cps = check_cp_degrees(cp)
-    profiles = [_plan_device(name, fp8, dtype) for name in _device_names(device)]
+    profiles = [_plan_device(name, fp8, dtype, topology) for name in _device_names(device)]
     if ray is not None:
         _probe(ray)  # a wrong address is said now, even when every shape is read from the cache
     _raw_config(model)  # an unknown model is said before any worker starts
@@ -253,10 +256,13 @@ def plan(model: str, gpus: int, global_batch: int, seq: int, device: str = "h100
         # reads the model's facts (this process never imports torch, which the workers have anyway).
         early = (stack_of_resources.enter_context(_pool(workers or os.cpu_count() or 1))
                  if ray is None and not _facts_cached(model, dtype) else None)
-        return _plan(model, gpus, global_batch, seq, dtype, workers, ray, progress, stack, cps, fp8, profiles, early)
+        result = _plan(model, gpus, global_batch, seq, dtype, workers, ray, progress, stack, cps, fp8, profiles, early,
+                       topology)
+    return result | ({"topology": topology} if topology else {})
 
 
-def _plan(model, gpus, global_batch, seq, dtype, workers, ray, progress, stack, cps, fp8, profiles, early) -> dict:
+def _plan(model, gpus, global_batch, seq, dtype, workers, ray, progress, stack, cps, fp8, profiles, early,
+          topology=None) -> dict:
     if early is not None:
         facts = early.apply(_facts, (model, dtype))
     else:
@@ -275,7 +281,7 @@ def _plan(model, gpus, global_batch, seq, dtype, workers, ray, progress, stack, 
                         f"parallelism must divide its {facts.heads} heads within a node of {profiles[0].gpus_per_node}, "
                         f"pipeline stages at most its {facts.layers} layers, and data parallelism x micro-batch the "
                         "global batch; choose a GPU count and batch those divide")
-    settings = {"seq": seq, "dtype": dtype, "stack": stack, "fp8": fp8,
+    settings = {"seq": seq, "dtype": dtype, "stack": stack, "fp8": fp8, "topology": topology,
                 "devices": {p.name: asdict(p) for p in profiles}, "config": _raw_config(model)}
     rows = _run(model, groups, settings, workers, ray, progress, early)
     fitting = sorted((r for r in rows if r["fits"]), key=lambda r: (r["step_ms"], -r["mfu"], _order(r)))
@@ -313,26 +319,28 @@ def why_best(ranked: list[dict]) -> list[str]:
 
 
 def network_lines(best: list[dict], profiles) -> list[str]:
-    """Where the best layout's gradients travel: its data-parallel group's nodes and what the network gives
-    it there (cluster/network.py: the group's ranks per node, each with one GPU's share of the node's NICs)."""
-    from .cluster.network import bus_bytes_per_s, group_layout
+    """Where the best layout's gradients travel: its data-parallel group's NVLink domains and what the network
+    gives it there (cluster/network.py: the group's ranks per domain, each with one GPU's share of its node's NICs)."""
+    from .cluster.network import bus_bytes_per_s, group_layout, nvlink_bus_bytes_per_s
     from .parallel.layout import Parallel
 
     if not best:
         return []
     row = best[0]
     profile = next(p for p in profiles if p.name == row["device"])
-    ranks, nodes = group_layout("dp", Parallel(dp=row["dp"], tp=row["tp"], cp=row["cp"], pp=row["pp"]),
-                                profile.gpus_per_node)
+    topology = profile.network()
+    ranks, domains = group_layout("dp", Parallel(dp=row["dp"], tp=row["tp"], cp=row["cp"], pp=row["pp"]),
+                                  topology.nvlink_domain_gpus)
     if ranks <= 1:
         return []
-    bus = bus_bytes_per_s(ranks, nodes, profile) / 1e9
-    if nodes == 1:
-        return [f"network: the data-parallel group of {ranks} stays inside a node: NVLink, {bus:.0f} GB/s"]
-    per_node = ranks // nodes
-    capped = " (capped by NVLink)" if bus * 1e9 < per_node * profile.inter_node_bytes_per_s else ""
-    return [f"network: dp {ranks} over {nodes} nodes uses {per_node} GPU{'s' if per_node > 1 else ''}' NIC share a "
-            f"node: {bus:.0f} GB/s{capped}"]
+    bus = bus_bytes_per_s(ranks, domains, profile) / 1e9
+    if domains == 1:
+        return [f"network: the data-parallel group of {ranks} stays inside an NVLink domain: {bus:.0f} GB/s"]
+    per_domain = ranks // domains
+    capped = " (capped by NVLink)" if bus * 1e9 >= nvlink_bus_bytes_per_s(topology) * 0.999 and per_domain > 1 else ""
+    unit = "node" if topology.nvlink_domain_gpus == topology.gpus_per_node else "NVLink domain"
+    return [f"network: dp {ranks} over {domains} {unit}s uses {per_domain} NIC{'s' if per_domain > 1 else ''} a "
+            f"{unit}: {bus:.0f} GB/s{capped}"]
 
 
 def check_cp_degrees(cp) -> tuple[int, ...]:
@@ -354,13 +362,14 @@ def _device_names(device: str) -> list[str]:
     return list(dict.fromkeys(check_name(name) for name in names))
 
 
-def _plan_device(name: str, fp8: bool, dtype: str):
+def _plan_device(name: str, fp8: bool, dtype: str, topology: str | None = None):
     from .cost import devices
 
     profile = devices.load(name) if name != "cpu" else _cpu_profile()
     if not (profile.intra_node_bytes_per_s and profile.inter_node_bytes_per_s and profile.memory_capacity_bytes):
         raise UserError(f"device '{profile.name}' lacks interconnect or memory figures a plan needs; use a GPU "
                         "profile such as --device h100-sxm")
+    profile = devices.with_topology(profile, topology)
     if fp8:
         from .workload.fp8 import check_fp8
 
@@ -532,7 +541,8 @@ def _run(model, groups, settings, workers, ray_address, progress, early=None) ->
                disable=not (progress and sys.stderr.isatty()))  # a bar for a person, not for a log
     rows, tasks = [], []
     for (device, shape), layouts in groups.items():
-        task = (model, (device, shape), layouts, settings["seq"], settings["dtype"], settings["stack"], settings["fp8"])
+        task = (model, (device, shape), layouts, settings["seq"], settings["dtype"], settings["stack"], settings["fp8"],
+                settings["topology"])
         path = _rows_entry(task, settings)
         cached = _cached_rows(path, task)
         if cached is None:
@@ -646,8 +656,9 @@ def _evaluate_indexed(item: tuple) -> tuple[int, list[dict]]:
 
 
 def _evaluate(task: tuple) -> list[dict]:
-    model, (device, shape), layouts, seq, dtype, stack, fp8 = task
-    return evaluate_shape(model, shape, layouts, seq, dtype, device, stack, fp8=fp8, time_unfit=False)
+    model, (device, shape), layouts, seq, dtype, stack, fp8, topology = task
+    return evaluate_shape(model, shape, layouts, seq, dtype, device, stack, fp8=fp8, time_unfit=False,
+                          topology=topology)
 
 
 def _worker_start() -> None:

@@ -345,3 +345,30 @@ def test_a_plan_asked_again_never_imports_torch(four_layers, tmp_path):
     assert warm.stdout.split()[-2:] == ["0", "False"], warm.stderr
     assert (tmp_path / "warm" / "plan.txt").read_bytes() == (tmp_path / "cold" / "plan.txt").read_bytes()
     assert "why: network:" in (tmp_path / "warm" / "plan.txt").read_text()
+
+
+def test_plan_topology_slows_the_gradient_reduce_it_narrows(four_layers, tmp_path):
+    """--topology with one 10 Gb/s NIC a node: every layout whose data-parallel group spans nodes (2 GPUs a
+    node, 8 GPUs) pays more for its gradients than on the profile's own network; the layout table records the
+    topology. An oracle by construction: the same layouts, only the network changed."""
+    runs = {}
+    for name, extra in (("own", ()), ("narrow", ("--topology", "gpus-per-node=2,nvlink-domain=2,nics-per-node=1,"
+                                                               "nic-gbps=10"))):
+        run = fxworkload("plan", four_layers, "--gpus", 8, "--global-batch", 16, "--seq", 16, "--workers", 1,
+                         "--out", tmp_path / name, "--top", 0, *extra)
+        assert run.returncode == 0, run.stderr
+        runs[name] = json.loads((tmp_path / name / "plan.json").read_text())
+    assert "topology" not in runs["own"] and runs["narrow"]["topology"].startswith("gpus-per-node=2")
+    key = lambda r: tuple(r[k] for k in ("tp", "pp", "dp", "zero", "recompute", "micro_batch", "vpp"))  # noqa: E731
+    own = {key(r): r for r in runs["own"]["ranked"]}
+    spanning = [r for r in runs["narrow"]["ranked"] if r["dp"] > 1 and r["tp"] * r["dp"] > 2 and key(r) in own]
+    assert spanning and all(r["step_ms"] > own[key(r)]["step_ms"] for r in spanning)
+
+
+@pytest.mark.parametrize("value, says", [("nic-gbps=fast", "--topology: nic-gbps=fast is not a number"),
+                                         ("speed=3", "--topology: 'speed=3' is not key=value")])
+def test_plan_refuses_a_bad_topology_in_one_line(four_layers, tmp_path, value, says):
+    run = fxworkload("plan", four_layers, "--gpus", 8, "--global-batch", 16, "--seq", 16, "--topology", value,
+                     "--out", tmp_path / "p")
+    assert run.returncode != 0 and says in run.stderr
+    assert len(run.stderr.strip().splitlines()) == 1 and not (tmp_path / "p").exists()

@@ -1,39 +1,45 @@
-"""Collective and point-to-point times from NCCL's own cost model (Simple protocol, ring and tree).
+"""Collective and point-to-point times as NCCL runs them: its algorithms and protocols, chosen per call by
+its own tuner, on the network the device's topology describes (cost/topology.py).
 
-NCCL picks an algorithm per call from a table of latency + bytes / bandwidth (src/graph/tuning.cc,
-ncclTopoTuneModel and ncclTopoGetAlgoTime); for the large buffers of training (MiB and up) the
-protocol is Simple, and the figures here are that protocol's in the current table (NCCL 2.2x):
-- ring: latency = baseLat + (steps - inter-node steps) x NVLink hop + inter-node steps x network
-  hop, with steps = 2(n-1) for all-reduce, n-1 for all-gather and reduce-scatter, n for
-  all-to-all, and inter-node steps the same counts over nodes; bandwidth: the bus bandwidth of
-  the slowest link the ring crosses (NVLink inside a node; across nodes, the network share of the
-  group's ranks on a node: see below) times n / steps;
-- tree (all-reduce only, as in NCCL): latency = baseLat + 2((n/nodes - 1) x NVLink hop + log2(nodes)
-  x network hop), bandwidth 0.92 x the bus bandwidth x 1/2 (a reduce up and a broadcast down);
-- an all-reduce takes the faster of the two, as NCCL's tuner does: the tree once a group spans
-  enough nodes that the ring's linear latency outweighs the tree's 8 % less bandwidth.
-
-Across nodes, NCCL runs one ring (or tree) per channel and spreads its channels over the NICs near
-the group's GPUs (rail-optimised HGX/DGX systems give each GPU its own NIC; PXN lets a GPU use a
-rail's NIC through NVLink): a group with r ranks on each node moves its data through r GPUs' NICs.
-Every group of a layout runs its collective at the same time (each tensor-parallel rank has its own
-data-parallel group), so the node's network is shared in proportion to the GPUs: a group gets r x
-``inter_node_bytes_per_s`` (one GPU's share of the node's NICs), capped by NVLink. A data-parallel
-group of 64 ranks over 8 nodes at tp 1 therefore moves 8 GPUs' share (400 GB/s on a DGX H100's eight
-400 Gb/s ports, under NVLink's 450), while at tp 8 each of its ranks is alone on its node (50 GB/s).
+NCCL times every (algorithm, protocol) pair a call could use as latency + bytes / bandwidth and runs the
+fastest (src/graph/tuning.cc: ncclTopoTuneModel, ncclTopoGetAlgoTime; NVIDIA/nccl at 5067397, 2026). Here,
+with NCCL's own latency table and its rules for which pairs exist:
+- ring (every collective) with the LL, LL128 and Simple protocols;
+- tree (all-reduce across NVLink domains), with tuning.cc's size correction;
+- NVLS (all-reduce inside an NVLink domain whose NVSwitches reduce: NVLink SHARP) and NVLS-tree
+  (NVLS inside each domain, a tree between them);
+- PAT (all-gather and reduce-scatter with one rank per domain: logarithmic latency, 3/4 of the ring's
+  bandwidth).
+Bandwidths are what nccl-tests reports as bus bandwidth, from the links the call crosses:
+- inside an NVLink domain, the GPU's NVLink x ``SIMPLE_LINK_EFFICIENCY`` (370 of 450 GB/s on H100: NCCL's
+  protocol overhead, as its maintainers give it);
+- across domains, the group's ranks per domain x one GPU's share of the node's NICs x ``NIC_EFFICIENCY``
+  (46-48 of 50 GB/s per 400 Gb/s NIC), divided by the fabric's oversubscription once the group is wider
+  than a leaf, and capped by NVLink: NCCL runs one ring per channel and spreads its channels over the NICs
+  near the group's GPUs (rail-optimised nodes give each GPU its own NIC; PXN lets a GPU use another rail's
+  NIC through NVLink). Every group of a layout runs at once (each tensor-parallel rank has its own
+  data-parallel group), so a group with r ranks a node gets r GPUs' shares of the node's network;
+- NVLS moves D (1 + 1/n) bytes a GPU for an n-rank all-reduce of D bytes (multimem load-reduce of its
+  1/n, multimem store of it back), at NVLink x the Simple efficiency x tuning.cc's nvlsEfficiency;
+- LL and LL128 at tuning.cc's fractions of Simple's bandwidth (1/2, capped at llMaxBws; 0.92).
+An all-to-all is NCCL's grouped send/receive, not a collective algorithm: its cross-domain part runs at
+each GPU's own NIC share (an all-to-all cannot aggregate several NICs, as NCCL's maintainers say), its
+in-domain part at NVLink.
 
 Ranks are placed as Megatron-LM orders them (its default order "tp-cp-ep-dp-pp"): tensor-parallel
 innermost, then context-parallel, then data-parallel (expert-parallel carved out of it), pipeline
-outermost; a group's GPUs span consecutive nodes. Gradients are reduced over the data- and
+outermost; a group's GPUs span consecutive NVLink domains. Gradients are reduced over the data- and
 context-parallel ranks together (group "dp": dp x cp ranks).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..cost.devices import DeviceProfile
+from ..cost.topology import Topology
 from ..errors import UserError
 from ..memo import Memo
 from ..parallel.layout import Parallel
@@ -41,19 +47,48 @@ from ..parallel.layout import Parallel
 if TYPE_CHECKING:  # a type only: the units import torch, and plan's "why" reads this module without it
     from ..parallel.units import Comm
 
-# NVIDIA/nccl src/graph/tuning.cc, Simple protocol: baseLat and hwLat (NVLink, network), in µs there.
-BASE_LATENCY_NS = 8_400.0
-NVLINK_HOP_NS = 3_400.0
-NETWORK_HOP_NS = 14_000.0
-TREE_NVLINK_HOP_NS = 4_000.0
-TREE_NETWORK_HOP_NS = 14_000.0
-TREE_BUS_EFFICIENCY = 0.92  # "busBw*.92" for tree all-reduce
-STEPS = {"ALLREDUCE": lambda n: 2 * (n - 1), "ALLGATHER": lambda n: n - 1, "REDUCESCATTER": lambda n: n - 1,
-         "ALLTOALL": lambda n: n}
+# NVIDIA/nccl-tests#212 (S. Jeaugey, NCCL): "450GB/s is the line rate. With the protocol overhead (~20%) NCCL
+# can get an effective NVLink bandwidth of 370GB/s" on H100.
+SIMPLE_LINK_EFFICIENCY = 370 / 450
+# NVIDIA/nccl-tests#290 (NCCL team): "For NDR @ 400Gbps you should see 46-48GB/s per NIC"; 47 of 50.
+NIC_EFFICIENCY = 47 / 50
+# tuning.cc nvlsEfficiency: Hopper 0.85, Blackwell 0.74 (no NVLS before Hopper)
+NVLS_EFFICIENCY = {"hopper": 0.85, "blackwell": 0.74}
+LL128_FRACTION = 0.92  # tuning.cc: ring LL128 busBw * 0.92 (120/128 bytes carry data)
+TREE_FRACTION = 0.92  # tuning.cc: tree all-reduce busBw * .92
+PAT_FRACTION = 0.75  # tuning.cc: PAT busBw * .75
+# tuning.cc llMaxBws (GB/s) by [one domain: GPU generation; several: CPU (Intel row)][1, 2, more domains]
+LL_MAX_ONE_DOMAIN_GBPS = {"volta": 39.0, "ampere": 87.7, "hopper": 141.0, "blackwell": 282.0}
+LL_MAX_GBPS = {2: 39.0, 3: 20.4}
+# tuning.cc ncclTunerConstantsDefaults, in µs: baseLatencies and hwLatencies [NVLink, network]
+BASE_US = {"tree": {"LL": 6.8, "LL128": 14.0, "Simple": 8.4}, "ring": {"LL": 6.6, "LL128": 14.0, "Simple": 8.4},
+           "nvls": {"Simple": 0.0}, "nvls_tree": {"Simple": 0.0}, "pat": {"Simple": 8.0}}
+NVLINK_US = {"tree": {"LL": 0.6, "LL128": 1.25, "Simple": 4.0}, "ring": {"LL": 0.6, "LL128": 1.9, "Simple": 3.4},
+             "nvls": {"Simple": 25.0}, "nvls_tree": {"Simple": 25.0}, "pat": {"Simple": 4.0}}
+NETWORK_US = {"tree": {"LL": 5.0, "LL128": 8.5, "Simple": 14.0}, "ring": {"LL": 2.7, "LL128": 4.0, "Simple": 14.0},
+              "nvls": {"Simple": 18.0}, "nvls_tree": {"Simple": 20.9}, "pat": {"Simple": 14.0}}
+NET_OVERHEAD_US = 1.0  # tuning.cc getNetOverhead (x86 Intel; x3 for Simple), a floor on each ring step's latency
+RING_PLATEAU = 1.4  # tuning.cc: multi-node ring/Simple all-reduce latency x1.4 on Ampere and later
+# tuning.cc treeCorrectionFactor, Simple protocol: tree all-reduce bandwidth by log2(bytes / 64), 64 B to 256 MiB
+TREE_CORRECTION = (.9, .9, .9, .9, .9, .9, .9, .8, .7, .6, .6, .5, .5, .5, .5, .6, .7, .8, .7, .7, .8, .9, .9, .9)
+TREE_CORRECTION_LL = (1.0, 1.0, 1.0, 1.0, .9, .8, .7, .7, .7, .7, .6, .5, .4, .4, .5, .6, .7, .8, .9, 1.0, 1.0, 1.0,
+                      1.0, 1.0)
+TREE_CORRECTION_LL128 = (1.0, 1.0, 1.0, 1.0, 1.0, .9, .8, .8, .8, .7, .6, .6, .6, .6, .6, .6, .8, .9, .9, .9, .9, 1.0,
+                         1.0, 1.0)
+STEPS = {"ALLREDUCE": lambda n: 2 * (n - 1), "ALLGATHER": lambda n: n - 1, "REDUCESCATTER": lambda n: n - 1}
 
 
-def group_layout(group: str, p: Parallel, gpus_per_node: int) -> tuple[int, int]:
-    """(ranks, nodes holding them) of a tensor-, expert- or data-parallel group under Megatron's rank order."""
+@dataclass(frozen=True)
+class Call:
+    """One collective as NCCL would run it: the pair its tuner picks, the time, and nccl-tests' bus bandwidth."""
+    algorithm: str
+    protocol: str
+    time_ns: float
+    bus_bytes_per_s: float
+
+
+def group_layout(group: str, p: Parallel, domain_gpus: int) -> tuple[int, int]:
+    """(ranks, NVLink domains holding them) of a tensor-, expert- or data-parallel group under Megatron's rank order."""
     if group == "tp":
         ranks, stride = p.tp, 1
     elif group == "dp":
@@ -66,43 +101,125 @@ def group_layout(group: str, p: Parallel, gpus_per_node: int) -> tuple[int, int]
         ranks, stride = p.dp // p.ep, p.tp * p.cp * p.ep
     else:
         raise KeyError(group)
-    if stride >= gpus_per_node:  # each rank on a node of its own (the nodes between hold other groups)
+    if stride >= domain_gpus:  # each rank in a domain of its own (the domains between hold other groups)
         return ranks, ranks
-    return ranks, max(1, math.ceil(ranks * stride / gpus_per_node))
+    return ranks, max(1, math.ceil(ranks * stride / domain_gpus))
 
 
 def collective_ns(comm_type: str, nbytes: float, ranks: int, nodes: int, device: DeviceProfile) -> float:
     if ranks <= 1 or nbytes <= 0:
         return 0.0
-    ring = ring_ns(comm_type, nbytes, ranks, nodes, device)
-    return min(ring, tree_all_reduce_ns(nbytes, ranks, nodes, device)) if comm_type == "ALLREDUCE" else ring
+    return choose(comm_type, nbytes, ranks, nodes, device.network()).time_ns
+
+
+def nvlink_bus_bytes_per_s(topology: Topology) -> float:
+    return topology.nvlink_bytes_per_s * SIMPLE_LINK_EFFICIENCY
+
+
+def network_bus_bytes_per_s(ranks: int, domains: int, topology: Topology) -> float:
+    """What a group's ranks in one domain move across domains together: their NIC shares, past the spine's
+    oversubscription once the group is wider than a leaf."""
+    per_domain = max(1, ranks // domains)
+    spine = topology.oversubscription if topology.leaf_gpus and domains * topology.nvlink_domain_gpus > \
+        topology.leaf_gpus else 1.0
+    return per_domain * topology.nic_share_bytes_per_s * NIC_EFFICIENCY / spine
 
 
 def bus_bytes_per_s(ranks: int, nodes: int, device: DeviceProfile) -> float:
-    """A group's bus bandwidth: NVLink inside a node; across nodes, its ranks per node times one GPU's share
-    of the node's network, capped by NVLink (the module's docstring)."""
-    if nodes == 1:
-        return device.intra_node_bytes_per_s
-    per_node = max(1, ranks // nodes)
-    return min(device.intra_node_bytes_per_s, per_node * device.inter_node_bytes_per_s)
+    """A ring's bus bandwidth (Simple protocol): NVLink inside a domain; across domains, the group's NIC
+    shares there, capped by NVLink where the ring also runs inside the domain."""
+    return _ring_bus(ranks, nodes, device.network())
 
 
-def ring_ns(comm_type: str, nbytes: float, ranks: int, nodes: int, device: DeviceProfile) -> float:
+def choose(comm_type: str, nbytes: float, ranks: int, domains: int, topology: Topology,
+           algorithms: tuple[str, ...] = ()) -> Call:
+    """The fastest (algorithm, protocol) NCCL's tuner allows for this call; ``algorithms`` narrows the choice
+    as NCCL_ALGO does (e.g. ("ring",) for NCCL_ALGO=Ring)."""
+    if comm_type == "ALLTOALL":
+        return _all_to_all(nbytes, ranks, domains, topology)
+    return min((call for call in _candidates(comm_type, nbytes, ranks, domains, topology)
+                if not algorithms or call.algorithm in algorithms), key=lambda call: call.time_ns)
+
+
+def _candidates(comm_type: str, nbytes: float, ranks: int, domains: int, t: Topology):
+    ppn = max(1, ranks // domains)
+    ring_bus = _ring_bus(ranks, domains, t)
     steps = STEPS[comm_type](ranks)
-    inter_steps = STEPS[comm_type](nodes) if nodes > 1 else 0
-    latency = BASE_LATENCY_NS + (steps - inter_steps) * NVLINK_HOP_NS + inter_steps * NETWORK_HOP_NS
-    return latency + nbytes / (bus_bytes_per_s(ranks, nodes, device) * ranks / steps) * 1e9
+    ll_max = (LL_MAX_ONE_DOMAIN_GBPS[t.generation] if domains == 1 else LL_MAX_GBPS[min(domains, 3)]) * 1e9
+    buses = {"Simple": ring_bus, "LL128": LL128_FRACTION * ring_bus, "LL": min(ll_max, ring_bus / 2)}
+    for protocol, bus in buses.items():
+        yield _call("ring", protocol, nbytes, _ring_us(comm_type, protocol, nbytes, ranks, domains),
+                    bus, bus * ranks / steps)
+    sharp = t.nvlink_sharp and t.generation in NVLS_EFFICIENCY and ppn > 1
+    if comm_type == "ALLREDUCE" and domains > 1:
+        tree = {"Simple": TREE_FRACTION * ring_bus, "LL": min(ll_max, TREE_FRACTION * ring_bus / 3.8),
+                "LL128": TREE_FRACTION * ring_bus * 120 / 128}
+        corrections = {"Simple": TREE_CORRECTION, "LL": TREE_CORRECTION_LL, "LL128": TREE_CORRECTION_LL128}
+        size = int(math.log2(max(1, int(nbytes) >> 6)))
+        for protocol, bus in tree.items():
+            factor = corrections[protocol][size] if size < 24 else 1.0
+            latency = BASE_US["tree"][protocol] + 2 * ((ppn - 1) * NVLINK_US["tree"][protocol]
+                                                       + int(math.log2(domains)) * NETWORK_US["tree"][protocol])
+            yield _call("tree", protocol, nbytes, latency, bus, bus / 2 * factor)
+        if sharp:  # NVLS inside each domain, a tree between them; two domains send both ways at once (tuning.cc)
+            bus = min(_nvls_bus(ppn, t), network_bus_bytes_per_s(ranks, domains, t) * (2 if domains == 2 else 1))
+            latency = NVLINK_US["nvls_tree"]["Simple"] + 2 * int(math.log2(domains)) * NETWORK_US["nvls_tree"]["Simple"]
+            yield _call("nvls_tree", "Simple", nbytes, latency, bus, bus * ranks / steps)
+    if comm_type == "ALLREDUCE" and domains == 1 and sharp:
+        bus = _nvls_bus(ranks, t)
+        yield _call("nvls", "Simple", nbytes, NVLINK_US["nvls"]["Simple"], bus, bus * ranks / steps)
+    if comm_type in ("ALLGATHER", "REDUCESCATTER") and ppn == 1 and domains > 1:
+        bus = PAT_FRACTION * ring_bus  # tuning.cc: PAT's bandwidth is not converted by n / steps
+        latency = BASE_US["pat"]["Simple"] + int(math.log2(domains)) * NETWORK_US["tree"]["Simple"] / 3.5 + ranks * 2.8
+        yield _call("pat", "Simple", nbytes, latency, bus, bus)
 
 
-def tree_all_reduce_ns(nbytes: float, ranks: int, nodes: int, device: DeviceProfile) -> float:
-    per_node = ranks // nodes
-    latency = BASE_LATENCY_NS + 2 * ((per_node - 1) * TREE_NVLINK_HOP_NS
-                                     + int(math.log2(nodes)) * TREE_NETWORK_HOP_NS)
-    return latency + nbytes / (bus_bytes_per_s(ranks, nodes, device) * TREE_BUS_EFFICIENCY / 2) * 1e9
+def _call(algorithm: str, protocol: str, nbytes: float, latency_us: float, bus: float, algorithm_bw: float) -> Call:
+    return Call(algorithm, protocol, latency_us * 1e3 + nbytes / algorithm_bw * 1e9, bus)
+
+
+def _ring_bus(ranks: int, domains: int, t: Topology) -> float:
+    if domains == 1:
+        return nvlink_bus_bytes_per_s(t)
+    across = network_bus_bytes_per_s(ranks, domains, t)
+    return across if ranks // domains <= 1 else min(nvlink_bus_bytes_per_s(t), across)
+
+
+def _ring_us(comm_type: str, protocol: str, nbytes: float, ranks: int, domains: int) -> float:
+    """tuning.cc's ring latency: a base, then each step's hop, NVLink inside a domain and network between."""
+    steps = STEPS[comm_type](ranks)
+    inter = 0 if domains == 1 else STEPS[comm_type](domains)
+    intra = NVLINK_US["ring"][protocol]
+    network = NETWORK_US["tree" if ranks == domains else "ring"][protocol]  # one rank a domain: fully exposed
+    if domains > 1:
+        intra = max(intra, NET_OVERHEAD_US * (3 if protocol == "Simple" else 1))
+    latency = BASE_US["ring"][protocol] + (steps - inter) * intra + inter * network
+    if comm_type == "ALLREDUCE" and protocol == "Simple" and domains > 1 and nbytes / (16 * ranks) >= 64:
+        latency *= RING_PLATEAU
+    return latency
+
+
+def _nvls_bus(ranks: int, t: Topology) -> float:
+    """NVLS all-reduce: each GPU moves D (1 + 1/n) bytes over its NVLink (load-reduce its 1/n from every
+    GPU through the switch, multicast-store the result), so algBw = link x n / (n + 1); bus = algBw x 2(n-1)/n."""
+    algorithm_bw = nvlink_bus_bytes_per_s(t) * NVLS_EFFICIENCY[t.generation] * ranks / (ranks + 1)
+    return algorithm_bw * 2 * (ranks - 1) / ranks
+
+
+def _all_to_all(nbytes: float, ranks: int, domains: int, t: Topology) -> Call:
+    """Grouped send/receive: each rank sends (n-1)/n of its buffer, (n-r)/n of it to other domains through its
+    own NIC share and (r-1)/n over NVLink, both at once."""
+    ppn = max(1, ranks // domains)
+    inside = nbytes * (ppn - 1) / ranks / nvlink_bus_bytes_per_s(t) if ppn > 1 else 0.0
+    across = nbytes * (ranks - ppn) / ranks / (t.nic_share_bytes_per_s * NIC_EFFICIENCY) if domains > 1 else 0.0
+    latency_us = BASE_US["ring"]["Simple"] + (NETWORK_US["ring"]["Simple"] if domains > 1 else NVLINK_US["ring"]["Simple"])
+    seconds = max(inside, across)
+    bus = nbytes * (ranks - 1) / ranks / seconds if seconds else 0.0
+    return Call("p2p", "Simple", latency_us * 1e3 + seconds * 1e9, bus)
 
 
 def comm_ns(comm: Comm, p: Parallel, device: DeviceProfile) -> float:
-    ranks, nodes = group_layout(comm.group, p, device.gpus_per_node)
+    ranks, nodes = group_layout(comm.group, p, device.network().nvlink_domain_gpus)
     return _TIMES.get((comm.type, comm.bytes, ranks, nodes, id(device)), (device,), collective_ns, comm.type,
                       comm.bytes, ranks, nodes, device)  # no closure per call: asked ~a million times a search
 
@@ -116,10 +233,11 @@ def p2p_ns(nbytes: float, p: Parallel, device: DeviceProfile) -> float:
     """One activation (or its gradient) sent to the next pipeline stage: tp x cp x dp GPUs away."""
     if p.pp == 1 or nbytes <= 0:
         return 0.0
-    same_node = p.tp * p.cp * p.dp * 2 <= device.gpus_per_node
-    hop = NVLINK_HOP_NS if same_node else NETWORK_HOP_NS
-    bus = device.intra_node_bytes_per_s if same_node else device.inter_node_bytes_per_s
-    return BASE_LATENCY_NS + hop + nbytes / bus * 1e9
+    t = device.network()
+    same_domain = p.tp * p.cp * p.dp * 2 <= t.nvlink_domain_gpus
+    hop_us = NVLINK_US["ring"]["Simple"] if same_domain else NETWORK_US["ring"]["Simple"]
+    bus = nvlink_bus_bytes_per_s(t) if same_domain else t.nic_share_bytes_per_s * NIC_EFFICIENCY
+    return (BASE_US["ring"]["Simple"] + hop_us) * 1e3 + nbytes / bus * 1e9
 
 
 def check_device(device: DeviceProfile, parallel: Parallel) -> None:

@@ -14,7 +14,7 @@ import math
 import os
 import re
 import tempfile
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from .. import store
@@ -22,6 +22,7 @@ from ..errors import UserError
 from ..store import cache_dir  # noqa: F401 (the cache folder, where measured profiles live)
 from ..names import NAME, check_name as check_a_name
 from .gpu import GpuFacts, GpuModel
+from .topology import Topology, check as check_topology, generation as topology_generation
 
 DATA_DIR = Path(__file__).resolve().parent / "device_profiles"
 
@@ -57,6 +58,20 @@ class DeviceProfile:
     # The model's fitted parameters: named by a file in fits/ (shipped profiles) or given inline (calibrated).
     gpu_model_fit: str = ""
     gpu_model_parameters: dict[str, float] = field(default_factory=dict)
+    # The network this GPU sits in (cost/topology.py), any of Topology's fields; the rest from the figures above
+    topology: dict = field(default_factory=dict)
+
+    def network(self) -> Topology:
+        """The device's topology: its ``topology`` block over what the interconnect figures above imply
+        (an NVLink domain of gpus_per_node, one NIC a GPU at inter_node_bytes_per_s, no NVLink SHARP)."""
+        found = self.__dict__.get("_network")
+        if found is None:
+            base = {"nvlink_domain_gpus": self.gpus_per_node, "nvlink_bytes_per_s": self.intra_node_bytes_per_s,
+                    "gpus_per_node": self.gpus_per_node, "nics_per_node": self.gpus_per_node,
+                    "nic_bytes_per_s": self.inter_node_bytes_per_s, "generation": topology_generation(self.arch)}
+            found = Topology(**(base | self.topology))
+            object.__setattr__(self, "_network", found)  # frozen: cache it once, as functools.cached_property would
+        return found
 
     def gpu_facts(self) -> GpuFacts:
         return GpuFacts(sm_count=self.sm_count, tensor_flops_per_s=self.matmul_flops_per_s,
@@ -232,7 +247,32 @@ def _bad_figure(profile: DeviceProfile) -> str | None:
     for name, value in _items(profile.gpu_model_parameters):
         if not number(value):
             return f"gpu_model_parameters.{name} = {value!r} is not a finite number"
-    return None
+    return _bad_topology(profile)
+
+
+def with_topology(profile: DeviceProfile, text: str | None) -> DeviceProfile:
+    """The profile on the network ``--topology key=value,...`` describes (cost/topology.py), or as it is."""
+    if not text:
+        return profile
+    if not (profile.intra_node_bytes_per_s and profile.inter_node_bytes_per_s):
+        raise UserError(f"--topology: device '{profile.name}' has no interconnect figures to change; use a GPU "
+                        "profile such as --device h100-sxm")
+    from .topology import parse
+
+    return replace(profile, topology=asdict(parse(text, profile.network())))
+
+
+def _bad_topology(profile: DeviceProfile) -> str | None:
+    if not isinstance(profile.topology, dict):
+        return "topology must be a mapping of Topology's fields"
+    if not (profile.intra_node_bytes_per_s and profile.inter_node_bytes_per_s):
+        return None  # no network figures (CPU and measured profiles): no collectives to time (network.check_device)
+    try:
+        topology = profile.network()
+    except TypeError as exc:
+        return f"topology: {exc}"
+    problem = check_topology(topology)
+    return f"topology: {problem}" if problem else None
 
 
 def _items(mapping) -> list:

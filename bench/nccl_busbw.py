@@ -1,0 +1,81 @@
+"""Our collectives' bus bandwidth beside published nccl-tests figures, each with its source.
+
+    .venv/bin/python bench/nccl_busbw.py
+
+For each row: the device profile (its topology block: NVLink, NICs, NVLink SHARP), the collective, the ranks
+and the nodes (NVLink domains) they span, the message size, and the bus bandwidth nccl-tests printed for it
+(``busbw``: algbw x 2(n-1)/n for all-reduce, x (n-1)/n for all-gather and reduce-scatter). Ours is the time
+cluster/network.py gives (NCCL's tuner: the fastest algorithm and protocol, or the one the row forced with
+NCCL_ALGO), converted the same way. Sources are GitHub threads of NVIDIA/nccl and NVIDIA/nccl-tests where
+NCCL's developers state the figure a platform should reach, or users post their nccl-tests output; the
+figure is what the thread gives, rounded as it gives it. None of these figures was used to set a constant:
+the constants are tuning.cc's, the NVLink efficiency one maintainer statement (370 of 450 GB/s on H100) and
+the NIC efficiency another (46-48 GB/s per 400 Gb/s NIC); rows that quote those same statements are marked.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from fxworkload.cluster.network import choose  # noqa: E402
+from fxworkload.cost import devices  # noqa: E402
+
+GIB = 1 << 30
+# device, collective, ranks, nodes, bytes, forced algorithms, published busbw GB/s, source, used to set a constant
+ROWS = [
+    ("h100-sxm", "ALLREDUCE", 8, 1, 8 * GIB, (), 479.4,
+     "NVIDIA/nccl-tests#347: 8 H100 (one node), all_reduce_perf at 8 GiB, busbw 479.41 (out-of-place)", False),
+    ("h100-sxm", "ALLREDUCE", 8, 1, 8 * GIB, (), 480.0,
+     "NVIDIA/nccl-tests#212 (S. Jeaugey, NCCL): 'On 8 GPUs, you should reach a peak busBw of ~480GB/s' (NVLS)", False),
+    ("h100-sxm", "ALLREDUCE", 8, 1, 8 * GIB, ("ring",), 370.0,
+     "NVIDIA/nccl-tests#212: 'effective NVLink bandwidth of 370GB/s ... with NCCL_ALGO=RING'", True),
+    ("h100-sxm", "ALLGATHER", 8, 1, 16 * GIB, (), 360.0,
+     "NVIDIA/nccl-tests#326 (S. Jeaugey): all_gather on 8 H100 at ~360 GB/s 'is exactly what we'd expect'", False),
+    ("h100-sxm", "REDUCESCATTER", 8, 1, 8 * GIB, (), 360.0,
+     "NVIDIA/nccl#1281: nccl-tests on H100, reduce_scatter busbw 360 GB/s", False),
+    ("h100-sxm", "ALLGATHER", 8, 1, 8 * GIB, (), 350.0,
+     "NVIDIA/nccl#1281: nccl-tests on H100, all_gather busbw 350 GB/s", False),
+    ("h200", "ALLREDUCE", 8, 1, 4 * GIB, (), 475.0,
+     "NVIDIA/nccl-tests#272: 8 H200 (NVLink4), all_reduce_perf up to 4 GiB, peak busbw 475 GB/s", False),
+    ("h100-sxm", "ALLREDUCE", 16, 2, 16 * GIB, (), 470.0,
+     "NVIDIA/nccl-tests#309: 2 HGX H100 nodes, 16 GPU-NIC pairs (400G), all_reduce_perf_mpi to 16 GiB: 470 GB/s", False),
+    ("h100-sxm", "ALLREDUCE", 32, 4, 16 * GIB, (), 365.84,
+     "NVIDIA/nccl-tests#309: 4 HGX H100 nodes, 32 GPU-NIC pairs, all_reduce_perf_mpi to 16 GiB: max busbw 365.84", False),
+    ("b200", "ALLREDUCE", 8, 1, 8 * GIB, (), 830.0,
+     "NVIDIA/nccl#1807: all_reduce_perf on 8 B200 (one node), 'Ours is 830+' GB/s", False),
+    ("a100-80gb", "ALLREDUCE", 8, 1, 4 * GIB, (), 232.54,
+     "NVIDIA/nccl-tests#175: one A100 node, all_reduce_perf -b 8 -e 4G -g 8: 232.54 GB/s", False),
+    ("a100-80gb", "ALLREDUCE", 16, 2, 8 * GIB, (), 192.0,
+     "NVIDIA/nccl#812, quoted in #1576 (NCCL team): 'On an Nvidia DGX-A100 system we have 8x200Gbit/s IB cards and "
+     "we measure 192GB/s AllReduce BusBW' (two nodes taken)", False),
+]
+
+
+def bus_factor(collective: str, ranks: int) -> float:
+    return 2 * (ranks - 1) / ranks if collective == "ALLREDUCE" else (ranks - 1) / ranks
+
+
+def main() -> int:
+    print(f"{'device':<10} {'collective':<13} {'ranks':>5} {'nodes':>5} {'bytes':>7} {'algorithm':<17} "
+          f"{'ours GB/s':>9} {'published':>9} {'error':>8}  source")
+    errors = []
+    for device, collective, ranks, nodes, nbytes, forced, published, source, constant in ROWS:
+        call = choose(collective, nbytes, ranks, nodes, devices.load(device).network(), forced)
+        ours = nbytes / call.time_ns * bus_factor(collective, ranks)  # bytes/ns = GB/s
+        error = ours / published - 1
+        if not constant:
+            errors.append(abs(error))
+        print(f"{device:<10} {collective:<13} {ranks:>5} {nodes:>5} {nbytes / GIB:>5.0f}Gi "
+              f"{call.algorithm + '/' + call.protocol + (' (forced)' if forced else ''):<17} {ours:>9.1f} "
+              f"{published:>9.1f} {error:>+8.1%}  {source}{' [sets a constant]' if constant else ''}")
+    print(f"\n{len(errors)} rows not used for any constant: median |error| {statistics.median(errors):.1%}, "
+          f"max {max(errors):.1%}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
