@@ -601,7 +601,9 @@ def _device_figures(d) -> int:
 
 
 def _figure_value(d, figure: str) -> str:
-    value = getattr(d, figure, None)
+    # "topology.x": the network's field as the profile resolves it (cost/topology.py)
+    value = getattr(d.network(), figure.split(".", 1)[1], None) if figure.startswith("topology.") else getattr(
+        d, figure, None)
     if isinstance(value, dict):
         return ", ".join(f"{k} {v:.4g}" for k, v in value.items())
     if isinstance(value, list):

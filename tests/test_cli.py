@@ -301,3 +301,13 @@ def test_a_config_of_the_wrong_types_or_sizes_is_one_line(text, message, tmp_pat
     (tmp_path / "config.json").write_text(text)
     run = in_process("extract", tmp_path / "config.json", "--out", tmp_path / "o")
     assert run.returncode == 2 and message in run.stderr and run.stderr.count("\n") == 1, run.stderr
+
+
+def test_devices_lists_the_topology_with_its_values_and_sources():
+    """The h100-sxm profile's topology block as the profile resolves it: NVLink SHARP on, eight 50 GB/s NICs
+    (DGX H100 datasheet: eight 400 Gb/s ConnectX-7 ports), each with its source."""
+    run = fxworkload("devices", "h100-sxm")
+    assert run.returncode == 0, run.stderr
+    lines = {line.split()[0]: line.split()[1] for line in run.stdout.splitlines() if line.startswith("topology.")}
+    assert lines["topology.nvlink_sharp"] == "True" and lines["topology.nics_per_node"] == "8"
+    assert float(lines["topology.nic_bytes_per_s"]) == 50e9
