@@ -26,12 +26,12 @@ from ..cost.devices import DeviceProfile
 from ..cost.gpu import memory_ns
 from ..dtypes import DTYPES
 from ..memo import Memo
-from ..parallel.collectives import ALLGATHER, REDUCESCATTER, data_parallel_units, parameter_bytes, zero_rows
+from ..parallel.collectives import ALLGATHER, data_parallel_units, fsdp_comms, fsdp_units, zero_rows
 from ..parallel.facts import ModelFacts
 from ..parallel.layout import Parallel, virtual_stage_layers
 from ..parallel.memory import ADAM_BYTES_PER_PARAMETER, fp8_weight_elements
 from ..parallel.rank import MODEL_PARALLEL_FIELDS, model_chunks, model_parallel_chunks, split_once
-from ..parallel.units import Comm, Unit, is_expert
+from ..parallel.units import Unit, is_expert
 from ..workload.table import Workload
 from .network import comm_ns, p2p_ns
 from .schedule import BACKWARD, Pass, timelines
@@ -294,7 +294,8 @@ def _with_data_parallel(chunks: list[list[Unit]], p: Parallel, grad_dtype: str, 
                         fp8_modules: frozenset) -> list[Unit]:
     """The device's units with its data-parallel rows (data_parallel_units), once per chunks and data-parallel
     side (the chunks are the memoised ones of _device_passes); the list returned is not to be changed."""
-    key = (id(chunks), p.replicas, p.dp, p.ep, zero_rows(p.zero), p.bucket_mb, p.fp8_param_gather, grad_dtype, dtype)
+    key = (id(chunks), p.replicas, p.dp, p.ep, zero_rows(p.zero), p.bucket_mb, p.fp8_param_gather, grad_dtype, dtype,
+           p.reshard_after_forward)
     return _DP_UNITS.get(key, (chunks,), lambda: data_parallel_units(
         [u for chunk in chunks for u in chunk], p, DTYPES[grad_dtype].itemsize, DTYPES[dtype].itemsize, fp8_modules))
 
@@ -421,24 +422,16 @@ def _zero3_groups(units: list[Unit], phase: str, p: Parallel, device: DeviceProf
 
 def _zero3_groups_of(units: list[Unit], phase: str, p: Parallel, device: DeviceProfile, param_itemsize: int,
                      grad_itemsize: int, fp8_modules: frozenset) -> list[Group]:
-    layers: dict = {}
-    for u in units:
-        layers.setdefault(u.layer if u.layer is not None else u.name, []).append(u)
     groups = []
-    for members in layers.values():
+    for members in fsdp_units(units):  # the same units and collectives as the rank's ZeRO 3 rows (collectives.py)
         phases = (FORWARD,) if phase == FORWARD else (INPUT_GRAD, WEIGHT_GRAD)
         compute = sum(u.costs[ph][0] for u in members for ph in phases) + sum(
             _comms_ns(u, phase, p, device) for u in members)
-        shards: dict[str, list] = {"dp": [], "dp_ep": []}
-        for g in (g for u in members for g in u.grads):
-            shards["dp_ep" if is_expert(g.module) and p.ep > 1 else "dp"].append(g)
-        gather = sum(comm_ns(Comm(ALLGATHER, group, parameter_bytes(grads, param_itemsize, fp8_modules), "parameters"),
-                             p, device) for group, grads in shards.items())
+        gathers, scatters = fsdp_comms(members, p, param_itemsize, grad_itemsize, fp8_modules)
+        gather = sum(comm_ns(c, p, device) for c in gathers)
         if phase != FORWARD and not p.reshard_after_forward:
             gather = 0.0  # FSDP2 reshard_after_forward=False: the forward's gathered parameters stay
-        scatter = 0.0 if phase == FORWARD else sum(
-            comm_ns(Comm(REDUCESCATTER, group, sum(g.elements for g in grads) * grad_itemsize, "gradients"), p, device)
-            for group, grads in shards.items())
+        scatter = 0.0 if phase == FORWARD else sum(comm_ns(c, p, device) for c in scatters)
         groups.append(Group(compute_ns=compute, gather_ns=gather, reduce_scatter_ns=scatter))
     return groups if phase == FORWARD else groups[::-1]
 

@@ -181,7 +181,14 @@ def _rank_nodes(pb, cluster, rank: int, groups: dict) -> list:
     completes: dict[int, int] = {}  # id(unit) -> its last backward compute node of the step
     last_virtual = p.pp * p.vpp - 1
     boundary = cluster.boundary_bytes
-    gathers = _zero3_gathers(units, p) if p.zero == 3 else {}
+    fsdp = _fsdp_groups(units) if p.zero == 3 else {}
+    stream: list[int] = []  # ZeRO 3's communication stream: its collectives run one after another, in issue order
+
+    def issue(name: str, comm, deps: list[int]) -> int:
+        nonlocal stream
+        stream = [b.collective(name, comm, comm_ns(comm, p, cluster.profile), deps=[*deps, *stream])]
+        return stream[0]
+
     for kind, chunk, mb, _, _ in cluster.device_passes[stage]:
         virtual = chunk * p.pp + stage
         forward = kind == "F"
@@ -190,38 +197,35 @@ def _rank_nodes(pb, cluster, rank: int, groups: dict) -> list:
             b.chain(f"recv {'activation' if forward else 'gradient'} mb{mb}", pb.COMM_RECV_NODE,
                     comm_src=(source % p.pp) * stage_ranks + within, comm_dst=rank, comm_size=boundary,
                     comm_tag=_tag(forward, source, mb, p))
-        gather = None
-        if gathers:
-            comm = gathers[FORWARD if forward else INPUT_GRAD]
-            gather = b.collective(f"mb{mb} chunk{chunk} {comm.type} {comm.group} (ZeRO 3 parameters)", comm,
-                                  comm_ns(comm, p, cluster.profile), deps=b.last)
-        for unit in chunks[chunk] if forward else list(reversed(chunks[chunk])):
-            # CP's ring: beside the block's compute, which the chain's next node waits for too; in backward its
-            # two collectives share the ring's links, one after the other (the cluster step adds them up)
-            beside = []
-            for comm in (c for c in unit.comms[FORWARD if forward else INPUT_GRAD] if c.group == "cp"):
-                name = f"mb{mb} {unit.name} {comm.type} {comm.group} ({comm.what})"
-                if comm.overlapped:
-                    beside.append(b.collective(name, comm, comm_ns(comm, p, cluster.profile),
-                                               deps=beside[-1:] or b.last))
-                else:
-                    b.collective(name, comm, comm_ns(comm, p, cluster.profile))
-            for phase in (FORWARD,) if forward else (INPUT_GRAD, WEIGHT_GRAD):
-                node = b.chain(f"mb{mb} {unit.name} {phase}", pb.COMP_NODE, duration_ns=unit.costs[phase][0],
-                               num_ops=unit.costs[phase][1], tensor_size=sum(op.bytes for op in unit.ops(phase)))
-                if not forward:
-                    completes[id(unit)] = node
-            b.last = [*b.last, *beside]
-            for comm in (c for c in unit.comms[FORWARD if forward else INPUT_GRAD] if c.group != "cp"):
-                b.collective(f"mb{mb} {unit.name} {comm.type} {comm.group}", comm, comm_ns(comm, p, cluster.profile))
+        # FSDP units in the order the pass runs them (zero3.py): each waits for its parameters' gather, issued
+        # when the unit before it starts (the first one's when the pass starts); in backward each unit's
+        # gradients are reduce-scattered when its compute ends
+        groups, seen = [], set()
+        for unit in chunks[chunk] if forward else reversed(chunks[chunk]):
+            group = fsdp.get(id(unit), ((unit,), (), (), ()))
+            if id(group[0][0]) not in seen:
+                seen.add(id(group[0][0]))
+                groups.append(group)
+        phase_gathers = 1 if forward else 2
+        ready = [issue(f"mb{mb} {c.type} {c.group} {c.what} (ZeRO 3 {groups[0][0][0].name})", c, list(b.last))
+                 for c in groups[0][phase_gathers]] if groups else []
+        for i, (members, *_, scatters) in enumerate(groups):
+            b.last = [*b.last, *ready]
+            if i + 1 < len(groups):
+                nxt = groups[i + 1]
+                ready = [issue(f"mb{mb} {c.type} {c.group} {c.what} (ZeRO 3 {nxt[0][0].name})", c, list(b.last))
+                         for c in nxt[phase_gathers]]
+            for unit in members if forward else reversed(members):
+                _unit_nodes(b, pb, unit, forward, mb, p, cluster, completes)
+            if not forward:
+                for c in scatters:
+                    issue(f"mb{mb} {c.type} {c.group} {c.what} (ZeRO 3 {members[0].name})", c, list(b.last))
         target = virtual + 1 if forward else virtual - 1
         if 0 <= target <= last_virtual and not (forward and virtual == last_virtual):
             b.add(f"send {'activation' if forward else 'gradient'} mb{mb}", pb.COMM_SEND_NODE, b.last, chained=False,
                   comm_src=rank, comm_dst=(target % p.pp) * stage_ranks + within, comm_size=boundary,
                   comm_tag=_tag(forward, virtual, mb, p))
-        if gather is not None:
-            b.last = [*b.last, gather]
-    last_bucket = _data_parallel(b, units, completes, cluster)
+    last_bucket = stream if p.zero == 3 else _data_parallel(b, units, completes, cluster)
     summary = cluster.devices[stage]
     if summary.optimizer_ns > 0:
         b.chain("optimizer step (Adam)", pb.COMP_NODE, extra=last_bucket, duration_ns=summary.optimizer_ns)
@@ -235,18 +239,51 @@ def _rank_nodes(pb, cluster, rank: int, groups: dict) -> list:
     return b.nodes
 
 
-def _zero3_gathers(units, p) -> dict:
-    """ZeRO 3's per-pass parameter gathers: a chunk's share of the stage's forward and backward gathers."""
-    from dataclasses import replace
+def _unit_nodes(b: _Builder, pb, unit, forward: bool, mb: int, p, cluster, completes: dict) -> None:
+    """One unit's pass: CP's ring beside its compute, its compute, then its blocking collectives."""
+    from ..cluster.network import comm_ns
 
-    out = {}
+    # CP's ring: beside the block's compute, which the chain's next node waits for too; in backward its
+    # two collectives share the ring's links, one after the other (the cluster step adds them up)
+    beside = []
+    for comm in (c for c in unit.comms[FORWARD if forward else INPUT_GRAD] if c.group == "cp"):
+        name = f"mb{mb} {unit.name} {comm.type} {comm.group} ({comm.what})"
+        if comm.overlapped:
+            beside.append(b.collective(name, comm, comm_ns(comm, p, cluster.profile), deps=beside[-1:] or b.last))
+        else:
+            b.collective(name, comm, comm_ns(comm, p, cluster.profile))
+    for phase in (FORWARD,) if forward else (INPUT_GRAD, WEIGHT_GRAD):
+        node = b.chain(f"mb{mb} {unit.name} {phase}", pb.COMP_NODE, duration_ns=unit.costs[phase][0],
+                       num_ops=unit.costs[phase][1], tensor_size=sum(op.bytes for op in unit.ops(phase)))
+        if not forward:
+            completes[id(unit)] = node
+    b.last = [*b.last, *beside]
+    for comm in (c for c in unit.comms[FORWARD if forward else INPUT_GRAD] if c.group != "cp"):
+        b.collective(f"mb{mb} {unit.name} {comm.type} {comm.group}", comm, comm_ns(comm, p, cluster.profile))
+
+
+def _fsdp_groups(units) -> dict[int, tuple]:
+    """ZeRO 3's FSDP units from the device's rows (collectives.py: a unit's reduce-scatters before it, its
+    gathers for backward and forward after it): per member unit, (members, forward gathers, backward gathers,
+    reduce-scatters)."""
+    groups, scatters = [], []
     for unit in units:
-        if unit.block == "dp" and unit.name.endswith(("_forward", "_backward")):
-            phase = FORWARD if unit.name.endswith("_forward") else INPUT_GRAD
+        if unit.block == "dp":
             for comm in unit.comms[WEIGHT_GRAD]:
-                held = out.get(phase)
-                nbytes = comm.bytes // p.vpp + (held.bytes if held else 0)
-                out[phase] = replace(comm, bytes=nbytes)
+                if comm.type == ALLGATHER:
+                    groups[-1][2 if comm.what.endswith("backward") else 1].append(comm)
+                else:
+                    scatters.append(comm)
+            continue
+        key = unit.layer if unit.layer is not None else unit.name
+        if not groups or groups[-1][4] != key:
+            groups.append(([], [], [], scatters, key))
+            scatters = []
+        groups[-1][0].append(unit)
+    out = {}
+    for members, fwd, bwd, rs, _ in groups:
+        group = (tuple(members), tuple(fwd), tuple(bwd), tuple(rs))
+        out.update({id(u): group for u in members})
     return out
 
 

@@ -1,13 +1,12 @@
 """One rank's estimated training step as a Chrome / Perfetto trace (JSON, times in microseconds).
 
-The timeline follows the SimAI policy the units describe, on one rank: for each micro-batch the
-units run forward in order, then backward in reverse (input gradient, then weight gradient); a
-tensor- or expert-parallel collective blocks compute until it ends. Data-parallel collectives run
-on their own stream once the last micro-batch's backward reaches their row, one after another.
-Collective times are NCCL's ring cost model (cluster/network.py), over NVLink when the group fits
-in one node (Megatron-LM's rank order: tp innermost, then ep/dp) and over the network otherwise.
-Pipeline waits are not in this rank's timeline; the cluster's (one process per stage, every
-micro-batch's passes under the 1F1B or interleaved schedule) follows it in the same file.
+The rank's timeline lays its units inside its stage's passes as the cluster step times them (each pass
+from its start under the 1F1B or interleaved schedule): forward in order, backward in reverse (input
+gradient, then weight gradient); a tensor- or expert-parallel collective blocks compute until it ends,
+CP's ring runs beside its unit's compute. Its data-parallel spans, optimizer and ZeRO gathers are the
+step's own, so every span ends by the step. Without a cluster step it falls back to the SimAI policy on
+one rank. Collective times are NCCL's tuner on the device's topology (cluster/network.py). The cluster's
+timeline (one process per stage) follows the rank's in the same file.
 """
 
 from __future__ import annotations
@@ -28,6 +27,52 @@ THREADS = {COMPUTE: "compute", MODEL_PARALLEL_COMM: "tp/ep collectives", DATA_PA
 def trace_json(rank: RankWorkload, device: DeviceProfile, cluster=None, stack: str = "eager") -> str:
     check_device(device, rank.parallel)
     timeline = _Timeline(rank.parallel, device)
+    if cluster is not None:
+        _rank_in_the_cluster(timeline, cluster, rank.parallel.stage)
+    else:
+        _rank_alone(timeline, rank)
+    meta = [{"name": "thread_name", "ph": "M", "pid": rank.parallel.stage, "tid": tid, "args": {"name": name}}
+            for tid, name in THREADS.items()]
+    meta.append({"name": "process_name", "ph": "M", "pid": rank.parallel.stage, "tid": 0,
+                 "args": {"name": f"pipeline stage {rank.parallel.stage}, tensor-parallel rank 0"}})
+    events = meta + timeline.events
+    other = {"step_ns": round(timeline.end_ns()), "parallel": rank.parallel.as_dict(), "device": device.name,
+             "stack": stack}
+    if cluster is not None:
+        events += cluster_events(cluster)
+        other["cluster_step_ns"] = round(cluster.step_ns)
+    return json.dumps({"traceEvents": events, "displayTimeUnit": "ns", "otherData": other}, indent=1) + "\n"
+
+
+def _rank_in_the_cluster(timeline: "_Timeline", cluster, stage: int) -> None:
+    """The rank's units inside its stage's passes as the cluster step times them (each pass from its start
+    under the pipeline schedule), its gradient buckets and ZeRO's spans where the step runs them, and the
+    optimizer: every span ends by the step's end (the rank's device's ``end_ns``)."""
+    chunks = cluster.device_chunks[stage]
+    for kind, chunk, micro_batch, start, _ in cluster.device_passes[stage]:
+        timeline.now_ns = start
+        if kind == "F":
+            for unit in chunks[chunk]:
+                timeline.compute(unit, FORWARD, micro_batch)
+        else:
+            for unit in reversed(chunks[chunk]):
+                timeline.compute(unit, INPUT_GRAD, micro_batch)
+                timeline.compute(unit, WEIGHT_GRAD, micro_batch)
+    for device, name, start, end, nbytes in cluster.data_parallel_spans:
+        if device == stage:
+            timeline.span(name, "comm", DATA_PARALLEL_COMM, start, end - start, bytes=nbytes)
+    summary = cluster.devices[stage]
+    start = max(summary.pipeline_end_ns, summary.data_parallel_end_ns)
+    if summary.optimizer_ns > 0:
+        timeline.span("optimizer step (Adam)", "compute", COMPUTE, start, summary.optimizer_ns)
+    if summary.zero_gather_ns > 0:
+        timeline.span("ZeRO parameter gather", "comm", DATA_PARALLEL_COMM, start + summary.optimizer_ns,
+                      summary.zero_gather_ns)
+    timeline.now_ns = summary.end_ns
+
+
+def _rank_alone(timeline: "_Timeline", rank: RankWorkload) -> None:
+    """Without the cluster step: the SimAI policy on one rank, micro-batch after micro-batch."""
     compute_units = [u for u in rank.units if u.block != "dp"]
     for micro_batch in range(rank.parallel.micro_batches):
         last = micro_batch == rank.parallel.micro_batches - 1
@@ -40,17 +85,6 @@ def trace_json(rank: RankWorkload, device: DeviceProfile, cluster=None, stack: s
                 continue
             timeline.compute(unit, INPUT_GRAD, micro_batch)
             timeline.compute(unit, WEIGHT_GRAD, micro_batch)
-    meta = [{"name": "thread_name", "ph": "M", "pid": rank.parallel.stage, "tid": tid, "args": {"name": name}}
-            for tid, name in THREADS.items()]
-    meta.append({"name": "process_name", "ph": "M", "pid": rank.parallel.stage, "tid": 0,
-                 "args": {"name": f"pipeline stage {rank.parallel.stage}, tensor-parallel rank 0"}})
-    events = meta + timeline.events
-    other = {"step_ns": round(timeline.end_ns()), "parallel": rank.parallel.as_dict(), "device": device.name,
-             "stack": stack}
-    if cluster is not None:
-        events += cluster_events(cluster)
-        other["cluster_step_ns"] = round(cluster.step_ns)
-    return json.dumps({"traceEvents": events, "displayTimeUnit": "ns", "otherData": other}, indent=1) + "\n"
 
 
 CLUSTER_PID = 1000  # the cluster's timeline: one process per pipeline stage, after the rank's units
@@ -110,11 +144,16 @@ class _Timeline:
             self.now_ns += duration
         if phase == WEIGHT_GRAD:
             return
+        beside = self.now_ns - duration  # CP's ring runs beside the unit's compute, from its start
         for comm in unit.comms[phase]:
             duration = comm_ns(comm, self.parallel, self.device)
-            self._span(f"{comm.type} {comm.group}", "comm", MODEL_PARALLEL_COMM, self.now_ns, duration,
+            at = beside if comm.overlapped else self.now_ns
+            self._span(f"{comm.type} {comm.group}", "comm", MODEL_PARALLEL_COMM, at, duration,
                        micro_batch=micro_batch, what=comm.what, bytes=comm.bytes)
-            self.now_ns += duration
+            if comm.overlapped:
+                beside += duration
+            else:
+                self.now_ns += duration
 
     def data_parallel(self, unit: Unit) -> None:
         for comm in unit.comms[WEIGHT_GRAD]:
@@ -122,6 +161,10 @@ class _Timeline:
             duration = comm_ns(comm, self.parallel, self.device)
             self._span(f"{unit.name}", "comm", DATA_PARALLEL_COMM, start, duration, what=comm.what, bytes=comm.bytes)
             self.dp_free_ns = start + duration
+
+    def span(self, name: str, category: str, tid: int, start_ns: float, duration_ns: float, **args) -> None:
+        self._span(name, category, tid, start_ns, duration_ns, **args)
+        self.dp_free_ns = max(self.dp_free_ns, start_ns + duration_ns) if tid == DATA_PARALLEL_COMM else self.dp_free_ns
 
     def end_ns(self) -> float:
         return max(self.now_ns, self.dp_free_ns)

@@ -23,6 +23,11 @@ What SimAI 1.6 does with the file (aliyun/SimAI f5efb5a9, astra-sim-alibabacloud
   attention core for the ring) is added to the compute time of the phase it runs in, and the header's
   ``all_gpus`` counts the context-parallel ranks as data-parallel ones (their gradients are reduced
   together, as Megatron-Core does).
+- its forward and input-gradient columns run only tensor-, expert- and expert-data-parallel groups
+  (Workload.cc: a plain ``ALLGATHER`` there is the TP group), so ZeRO 3's parameter gathers, data-parallel,
+  ride in the weight-gradient column of rows beside their FSDP unit, every micro-batch: SimAI issues them in
+  backward, and a row's forward waits for its weight-gradient collective of the pass before
+  (``is_weight_grad_comm_finished_blocking``), so the next micro-batch's forward waits for them there.
 """
 
 from __future__ import annotations
@@ -78,17 +83,22 @@ def from_rank(rank: RankWorkload, device=None) -> SimaiWorkload:
 def step_units(rank: RankWorkload) -> list[Unit]:
     """The rank's units as SimAI runs them: each chunk's units once per micro-batch in the order the
     pipeline schedule runs their forwards; each data-parallel row once, in the first micro-batch's
-    copy of the chunk whose unit it precedes."""
+    copy of the chunk whose unit it precedes. ZeRO 3's rows (collectives.py: a reduce-scatter before each
+    FSDP unit, its gathers after it) are in every micro-batch's copy, as the cluster step runs them."""
     p = rank.parallel
     chunk_of = {id(u): c for c, chunk in enumerate(rank.chunks) for u in chunk}
     with_dp: list[list[Unit]] = [[] for _ in rank.chunks]
     pending: list[Unit] = []  # data-parallel rows waiting for the unit they precede
+    previous = None  # the chunk of the last unit: ZeRO 3's gathers follow their FSDP unit
     for unit in rank.units:
-        if unit.block == "dp":
+        if unit.block == "dp" and p.zero == 3 and "_param_allgather_" in unit.name and previous is not None:
+            with_dp[previous].append(unit)
+        elif unit.block == "dp":
             pending.append(unit)
-            continue
-        with_dp[chunk_of[id(unit)]] += [*pending, unit]
-        pending = []
+        else:
+            previous = chunk_of[id(unit)]
+            with_dp[previous] += [*pending, unit]
+            pending = []
     with_dp[-1] += pending
     out, seen = [], set()
     for kind, chunk, _ in device_order(p.pp, p.vpp, p.micro_batches, p.stage):
@@ -96,7 +106,7 @@ def step_units(rank: RankWorkload) -> list[Unit]:
             continue
         first = chunk not in seen
         seen.add(chunk)
-        out += [u for u in with_dp[chunk] if first or u.block != "dp"]
+        out += [u for u in with_dp[chunk] if first or u.block != "dp" or p.zero == 3]
     return out
 
 

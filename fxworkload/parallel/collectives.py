@@ -16,6 +16,7 @@ Expert parameters are reduced over the expert-data-parallel group (dp / ep ranks
 from __future__ import annotations
 
 from bisect import bisect_left
+from dataclasses import replace
 from itertools import accumulate
 from operator import attrgetter
 
@@ -112,21 +113,69 @@ def parameter_bytes(grads, itemsize: int, fp8_modules: frozenset = frozenset()) 
     return sum(g.elements * (1 if g.module in fp8_modules else itemsize) for g in grads)
 
 
+def fsdp_units(units: list[Unit]) -> list[list[Unit]]:
+    """ZeRO 3's units of sharding, in forward order: a decoder layer's units together (FSDP's transformer wrap
+    policy, DeepSpeed's per-module fetch), the embedding and the head each one."""
+    layers: dict = {}
+    for u in units:
+        layers.setdefault(u.layer if u.layer is not None else u.name, []).append(u)
+    return list(layers.values())
+
+
+def fsdp_comms(members: list[Unit], p: Parallel, param_itemsize: int, grad_itemsize: int,
+               fp8_modules: frozenset = frozenset()) -> tuple[list[Comm], list[Comm]]:
+    """One FSDP unit's (parameter all-gathers, gradient reduce-scatters), one of each per group its parameters
+    are sharded over: the data-parallel group, and the expert-data-parallel one for expert weights."""
+    shards: dict[str, list] = {"dp": [], "dp_ep": []}
+    for g in (g for u in members for g in u.grads):
+        shards["dp_ep" if is_expert(g.module) and p.ep > 1 else "dp"].append(g)
+    sizes = {"dp": p.replicas, "dp_ep": p.dp // p.ep}
+    kept = {group: grads for group, grads in shards.items() if grads and sizes[group] > 1}
+    gathers = [Comm(ALLGATHER, group, parameter_bytes(grads, param_itemsize, fp8_modules), "parameters")
+               for group, grads in kept.items()]
+    scatters = [Comm(REDUCESCATTER, group, sum(g.elements for g in grads) * grad_itemsize, "gradients")
+                for group, grads in kept.items()]
+    return gathers, scatters
+
+
 def data_parallel_units(units: list[Unit], p: Parallel, grad_itemsize: int, param_itemsize: int,
                         fp8_modules: frozenset = frozenset()) -> list[Unit]:
     """The stage's units with its data-parallel rows inserted: a gradient bucket's row sits just before
-    the unit whose backward completes the bucket, so the simulator issues it there."""
+    the unit whose backward completes the bucket, so the simulator issues it there. ZeRO 3's rows are per
+    FSDP unit (``_zero3_rows``)."""
     grads = [g for u in units for g in u.grads]
     # the rows name their group, not its size: layouts that differ only in dp share them
     gathered_fp8 = fp8_modules if p.fp8_param_gather else frozenset()
     key = (tuple(map(id, grads)), tuple(len(u.grads) for u in units), p.replicas > 1, p.dp // p.ep > 1, p.ep > 1,
-           zero_rows(p.zero), p.bucket_mb, grad_itemsize, param_itemsize, gathered_fp8)
+           zero_rows(p.zero), p.bucket_mb, grad_itemsize, param_itemsize, gathered_fp8,
+           p.zero == 3 and p.reshard_after_forward)
+    if p.zero == 3:
+        return _DP_ROWS.get(key, tuple(grads), lambda: _zero3_rows(units, p, grad_itemsize, param_itemsize,
+                                                                   gathered_fp8))
     top, before = _DP_ROWS.get(key, tuple(grads), lambda: _data_parallel_rows(units, p, grad_itemsize, param_itemsize,
                                                                              gathered_fp8))
     out = list(top)
     for i, unit in enumerate(units):
         out.extend(before.get(i, []))
         out.append(unit)
+    return out
+
+
+def _zero3_rows(units: list[Unit], p: Parallel, grad_itemsize: int, param_itemsize: int,
+                fp8_modules: frozenset) -> list[Unit]:
+    """ZeRO 3 / FSDP as the cluster step runs it (cluster/zero3.py), every micro-batch: around each FSDP unit,
+    its gradients' reduce-scatter just before it (SimAI runs the rows backward in reverse, so the row comes
+    right after the unit's backward), and after it the parameters' all-gather for backward (none with FSDP2's
+    reshard_after_forward=False: the forward's gather is kept) and for forward."""
+    out = []
+    for members in fsdp_units(units):
+        gathers, scatters = fsdp_comms(members, p, param_itemsize, grad_itemsize, fp8_modules)
+        name = members[0].name if members[0].layer is None else f"layer{members[0].layer}"
+        out += [_dp_row(f"{c.group}_reducescatter_{name}", c) for c in scatters]
+        out += members
+        phases = ("backward", "forward") if p.reshard_after_forward else ("forward",)
+        out += [_dp_row(f"{c.group}_param_allgather_{name}_{phase}", replace(c, what=f"parameters for {phase}"))
+                for phase in phases for c in gathers]
     return out
 
 
@@ -150,9 +199,6 @@ def _data_parallel_rows(units: list[Unit], p: Parallel, grad_itemsize: int, para
         params = parameter_bytes(grads, param_itemsize, fp8_modules)
         if p.zero in (1, 2):
             top.append(_dp_row(f"{group}_param_allgather", Comm(ALLGATHER, group, params, "updated parameters")))
-        if p.zero == 3:
-            top.extend(_dp_row(f"{group}_param_allgather_{phase}", Comm(ALLGATHER, group, params, f"parameters for {phase}"))
-                       for phase in ("forward", "backward"))
     return top, before
 
 

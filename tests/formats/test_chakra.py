@@ -53,7 +53,10 @@ def _write(dirs, tmp_path_factory, model, layout):
                      *[x for k, v in layout.items() for x in
                        ((f"--{k.replace('_', '-')}",) if v is True else (f"--{k.replace('_', '-')}", v))])
     assert run.returncode == 0, run.stderr
-    cluster = extract(str(dirs[model]), batch=1, seq=16, device="h100-sxm", parallel=Parallel(**layout)).cluster
+    fields = {k: v for k, v in layout.items() if k != "keep_gathered"}
+    if layout.get("keep_gathered"):
+        fields["reshard_after_forward"] = False
+    cluster = extract(str(dirs[model]), batch=1, seq=16, device="h100-sxm", parallel=Parallel(**fields)).cluster
     return out, cluster
 
 
@@ -241,22 +244,64 @@ def test_all_gather_sizes_are_each_ranks_input_as_astra_sims_ring_reads_them(wri
               if c.type == "ALLGATHER" and c.group == "dp"}
     assert [attr(n, "comm_size") for n in zero1 if n.name.split()[-1] == "dp"] == [params.pop() // 4]
     out, cluster = written_zero3
-    per_pass = [n for n in read(out / "workload.0.et") if "ZeRO 3" in n.name]
-    assert len(per_pass) == 2 * 2 * 2  # forward and backward passes of 2 chunks x 2 micro-batches
+    gathers = [n for n in read(out / "workload.0.et") if "ZeRO 3" in n.name and " ALLGATHER " in n.name]
+    assert gathers and all(attr(n, "comm_size") * 2 == _gathered_bytes(cluster, n) for n in gathers)
 
 
-def test_zero3_passes_wait_for_their_parameters(written_zero3):
-    """Each pass gathers its chunk's parameters beside its compute (one gather per pass, written before
-    the pass's compute) and ends when both are done: the next pass's compute waits for the gather."""
+def _gathered_bytes(cluster, node) -> int:
+    """The parameters (fp32, 4 bytes each) of the FSDP unit a ZeRO 3 gather node names, from the stage's units."""
+    name = node.name.rsplit("(ZeRO 3 ", 1)[1].rstrip(")")
+    first = next(u for u in cluster.device_units[0] if u.name == name)
+    members = [u for u in cluster.device_units[0] if u.block != "dp" and (
+        u is first or (first.layer is not None and u.layer == first.layer))]
+    return 4 * sum(g.elements for u in members for g in u.grads)
+
+
+def _zero3_nodes(out, rank: int) -> dict[str, list]:
+    nodes = [n for n in read(out / f"workload.{rank}.et") if "ZeRO 3" in n.name]
+    return {what: [n for n in nodes if what in n.name] for what in ("for forward", "for backward", "gradients")}
+
+
+@pytest.mark.parametrize("keep_gathered", [False, True])
+def test_zero3_files_carry_every_gather_and_reduce_scatter_the_step_runs(tiny_dirs, tmp_path_factory, keep_gathered):
+    """As the cluster step runs ZeRO 3 (cluster/zero3.py), every micro-batch: each FSDP unit (a decoder layer, the
+    embedding, the head) gathers its parameters before forward and, unless --keep-gathered (FSDP2's
+    reshard_after_forward=False), again before backward, and reduce-scatters its gradients after backward. The
+    oracle: the stage's parameter count (the tiny Llama's, fp32) and the micro-batch count."""
+    layout = dict(ZERO3_LAYOUT, keep_gathered=True) if keep_gathered else ZERO3_LAYOUT
+    out, cluster = _write(tiny_dirs, tmp_path_factory, "llama4", layout)
+    stage_units = [u for u in cluster.device_units[0] if u.block != "dp"]
+    fsdp = {u.layer if u.layer is not None else u.name for u in stage_units}
+    parameter_bytes = 4 * sum(g.elements for u in stage_units for g in u.grads)
+    mbs = ZERO3_LAYOUT["micro_batches"]
+    for rank in (0, 1):  # the two data-parallel ranks of stage 0
+        found = _zero3_nodes(out, rank)
+        assert len(found["for forward"]) == mbs * len(fsdp)
+        assert len(found["for backward"]) == (0 if keep_gathered else mbs * len(fsdp))
+        assert len(found["gradients"]) == mbs * len(fsdp)
+        # ASTRA-sim's ring reads an all-gather's size as each rank's input (Ring.cc): half the unit's bytes at dp 2
+        assert sum(attr(n, "comm_size") for n in found["for forward"]) * 2 == mbs * parameter_bytes
+        assert sum(attr(n, "comm_size") for n in found["gradients"]) == mbs * parameter_bytes
+
+
+def test_zero3_units_wait_for_their_parameters_and_prefetch_one(written_zero3):
+    """Each FSDP unit's first compute waits for its gather; the gather of the unit after it is issued once the
+    unit starts (it does not wait for the unit's compute: prefetch of one), so it runs beside that compute."""
     out, _ = written_zero3
-    for rank in range(4):
-        nodes = read(out / f"workload.{rank}.et")
-        ancestors = _ancestors(nodes)
-        gathers = [n.id for n in nodes if "ZeRO 3" in n.name]
-        for gather, following in zip(gathers, gathers[1:]):
-            next_pass = next(n for n in nodes if n.id > following and n.type == COMP_NODE)
-            assert gather in ancestors[next_pass.id]
-            assert gather not in ancestors[next(n for n in nodes if n.id > gather and n.type == COMP_NODE).id]
+    nodes = read(out / "workload.0.et")
+    by_id = {n.id: n for n in nodes}
+    ancestors = _ancestors(nodes)
+    gathers = [n for n in nodes if "ZeRO 3" in n.name and "for forward" in n.name and n.name.startswith("mb0 ")]
+    computes = [n for n in nodes if n.type == COMP_NODE and n.name.startswith("mb0 ") and n.name.endswith("forward")]
+    for gather in gathers:
+        unit = gather.name.rsplit("(ZeRO 3 ", 1)[1].rstrip(")")
+        first = next(n for n in computes if n.name == f"mb0 {unit} forward")
+        assert gather.id in ancestors[first.id]
+    # chunk 0 runs the embedding then layer 0: layer 0's gather is issued as the embedding starts
+    embedding = next(n for n in computes if n.name == "mb0 embedding forward")
+    layer0 = next(n for n in gathers if n.name.endswith("(ZeRO 3 layer0_attention)"))
+    assert embedding.id not in ancestors[layer0.id] and by_id[layer0.id].type == COMM_COLL_NODE
+    assert set(ancestors[embedding.id]) & set(ancestors[layer0.id])  # both after the pass's start
 
 
 def test_the_rings_collectives_run_beside_the_block_one_after_the_other(tiny_dirs, tmp_path_factory):

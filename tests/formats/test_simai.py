@@ -143,7 +143,7 @@ def test_chrome_trace_lays_out_every_unit_and_collective(tiny_dirs, tmp_path):
     result = extract(str(tiny_dirs["llama"]), batch=2, seq=16, device="h100-sxm",
                      parallel=Parallel(tp=2, dp=2, micro_batches=2))
     units = [u for u in result.rank.units if u.block != "dp"]
-    compute_us = sum(e["dur"] for e in spans if e["cat"] == "compute")
+    compute_us = sum(e["dur"] for e in spans if e["cat"] == "compute" and e["name"] != "optimizer step (Adam)")
     assert compute_us == pytest.approx(2 * sum(u.ns(p) for u in units for p in PHASES) / 1e3, abs=1e-3 * len(spans))
     tp_spans = [e for e in spans if e["cat"] == "comm" and e["tid"] == 1]
     assert len(tp_spans) == 2 * sum(len(u.comms[FORWARD]) + len(u.comms[INPUT_GRAD]) for u in units)
@@ -245,3 +245,58 @@ def test_a_model_without_a_tp_plan_has_one_unit_per_layer_and_refuses_tp(tmp_pat
     code, _ = _run(tmp_path, str(folder), "--seq", "16", "--tp", "2", "--format", "simai")
     err = capsys.readouterr().err
     assert code == 2 and "gpt_neo has no tensor-parallel plan" in err.splitlines()[-1] and "Traceback" not in err
+
+
+@pytest.mark.parametrize("keep_gathered", [False, True])
+def test_zero3_simai_rows_carry_every_gather_and_reduce_scatter_per_micro_batch(tiny_dirs, tmp_path, keep_gathered):
+    """ZeRO 3 as the cluster step runs it (cluster/zero3.py), in SimAI's weight-gradient column (its only column
+    for the data-parallel group, Workload.cc): per micro-batch and FSDP unit (a decoder layer, the embedding,
+    the head) one gradient reduce-scatter and a parameter all-gather for forward, and one for backward unless
+    --keep-gathered. The oracle: the tiny Llama's parameter count (fp32) and the micro-batch count."""
+    extra = ["--keep-gathered"] if keep_gathered else []
+    code, out = _run(tmp_path, str(tiny_dirs["llama"]), "--seq", "16", "--format", "simai", "--dp", "2",
+                     "--micro-batches", "3", "--zero", "3", *extra)
+    assert code == 0
+    rows = read_simai(out / "workload.simai.txt").rows
+    model = AutoModelForCausalLM_from(tiny_dirs["llama"])
+    parameter_bytes = 4 * sum(p.numel() for p in model.parameters())
+    units = 1 + model.config.num_hidden_layers + 1  # embedding, layers, head (norm and lm_head)
+    scatters = [r for r in rows if r.weight_grad_comm == "REDUCESCATTER"]
+    gathers = [r for r in rows if r.weight_grad_comm == "ALLGATHER"]
+    assert len(scatters) == 3 * units and sum(r.weight_grad_comm_bytes for r in scatters) == 3 * parameter_bytes
+    assert len(gathers) == 3 * units * (1 if keep_gathered else 2)
+    assert sum(r.weight_grad_comm_bytes for r in gathers) == 3 * parameter_bytes * (1 if keep_gathered else 2)
+
+
+def AutoModelForCausalLM_from(folder):
+    """The checkpoint's model as transformers builds it (on the meta device: only its parameters' shapes)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder))
+
+
+@pytest.mark.parametrize("layout", [dict(dp=2, zero=3, micro_batches=2),
+                                    dict(dp=2, zero=3, reshard_after_forward=False, micro_batches=2),
+                                    dict(pp=2, dp=2, vpp=2, zero=1, micro_batches=4), dict(cp=2, micro_batches=2)])
+def test_every_chrome_trace_span_ends_by_the_cluster_step(tiny_dirs, layout):
+    """Issue 36: a --keep-gathered trace's rank step (1,701.5 ms) outlasted its cluster step (1,690.2 ms). The
+    rank's spans are now laid inside its stage's passes as the cluster step times them: none ends after the
+    step, and the rank's step is its stage's end."""
+    result = extract(str(tiny_dirs["llama4"]), batch=1, seq=16, device="h100-sxm", parallel=Parallel(**layout))
+    trace = json.loads(result.files(["chrome-trace"])["workload.trace.json"])
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    step_us = trace["otherData"]["cluster_step_ns"] / 1e3
+    assert max(e["ts"] + e["dur"] for e in spans) <= step_us + 1e-3
+    assert trace["otherData"]["step_ns"] == round(result.cluster.devices[0].end_ns) <= trace["otherData"]["cluster_step_ns"]
+
+
+def test_keep_gathered_changes_the_files_as_it_changes_the_step(tiny_dirs):
+    """Issue 36: --keep-gathered changed the step but wrote files byte-identical to plain ZeRO 3. Without the
+    backward's gathers the step is shorter and the SimAI file has fewer all-gathers."""
+    plain, kept = (extract(str(tiny_dirs["llama4"]), batch=1, seq=16, device="h100-sxm",
+                           parallel=Parallel(dp=2, zero=3, micro_batches=2, reshard_after_forward=reshard))
+                   for reshard in (True, False))
+    assert kept.cluster.step_ns < plain.cluster.step_ns
+    count = lambda r: r.files(["simai"])["workload.simai.txt"].count("ALLGATHER")  # noqa: E731
+    assert count(kept) * 2 == count(plain)
