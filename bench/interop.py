@@ -12,11 +12,14 @@ ASTRA-sim's analytical backend on the traces (through the ``run.sh`` scripts of
 - ASTRA-sim's slowest rank against our cluster step: ASTRA-sim runs the dependency graph with its
   own collective times.
 
-ASTRA-sim is given one switch joining the layout's GPUs (every layout here fits one 8-GPU node),
-with the device profile's NVLink figures in ASTRA-sim's terms: link latency 936.25 ns (ASTRA-sim's
-own HGX-H100-validated network) and half the profile's per-direction bus bandwidth, since
-ASTRA-sim's ring moves data both ways round the ring at once; the bench prints one 100 MB
-all-reduce over 8 ranks under both models to show they agree. The last line is a JSON summary.
+Each simulator gets the device's own network (its topology block, docs/network.md): SimAI its NVLink and
+NIC bandwidths as NCCL reaches them (``NVLINK_GBPS``, ``NIC_GBPS``: 370 and 47 GB/s on an H100) and its
+GPUs per server; ASTRA-sim the same NVLink domain as a switch and, for layouts wider than one domain, a
+second switch dimension joining the domains rail by rail (GPU i of every node: a rail-optimised fabric,
+each GPU on its own NIC), each dimension at half its per-direction bandwidth (ASTRA-sim's ring moves data
+both ways round the ring at once) and link latency 936.25 ns (ASTRA-sim's own HGX-H100-validated network),
+with ring collectives in every dimension. The bench prints one 100 MB all-reduce over 8 ranks under both
+models to show they agree. The last line is a JSON summary.
 
     .venv/bin/python bench/interop.py ../shared/simulators/simai/run.sh ../shared/simulators/astra-sim/run.sh
     .venv/bin/python bench/interop.py SIMAI_RUN ASTRA_RUN --only gpt2-mb8,llama-8b-full
@@ -40,7 +43,7 @@ from tabulate import tabulate
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from fxworkload.capture.trace import PHASES  # noqa: E402
-from fxworkload.cluster.network import collective_ns  # noqa: E402
+from fxworkload.cluster.network import NIC_EFFICIENCY, choose, nvlink_bus_bytes_per_s  # noqa: E402
 from fxworkload.cost.devices import load  # noqa: E402
 from fxworkload.formats import simai  # noqa: E402
 from fxworkload.formats.chakra import GROUPS_FILE, chakra_files  # noqa: E402
@@ -63,6 +66,10 @@ LAYOUTS = {
     "llama-8b-cp-ring": ("llama-3-8b", 8192, 1, "bf16", Parallel(tp=2, cp=2, pp=2, sp=True, micro_batches=4, zero=1)),
     "llama-8b-cp-allgather": ("llama-3-8b", 8192, 1, "bf16", Parallel(tp=2, cp=4, sp=True, micro_batches=2,
                                                                         cp_comm="allgather")),
+    # across nodes: ZeRO 3 on 32 ranks (4 nodes, 8 ranks a node in every data-parallel group) and a 128-rank
+    # Megatron layout (16 nodes; its data-parallel groups have 2 ranks a node)
+    "llama-8b-zero3-32": ("llama-3-8b", 4096, 1, "bf16", Parallel(dp=32, micro_batches=2, zero=3)),
+    "llama-8b-128": ("llama-3-8b", 4096, 1, "bf16", Parallel(tp=4, pp=2, dp=16, sp=True, micro_batches=8, zero=1)),
 }
 
 
@@ -108,7 +115,7 @@ def run_layout(name: str, folder: Path, simai_run: str, astra_run: str) -> dict:
         path = folder / f"stage{stage}.simai.txt"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(simai.text(simai.from_rank(result.rank, result.device)))
-        comp_us, total_us = run_simai(simai_run, path, parallel.world)
+        comp_us, total_us = run_simai(simai_run, path, parallel.world, result.device)
         ours_us = parallel.micro_batches * sum(u.ns(ph) for u in result.rank.units for ph in PHASES) / 1e3
         compute_errors.append((comp_us / ours_us - 1, ours_us, comp_us))
         simai_totals.append(total_us)
@@ -127,9 +134,13 @@ def run_layout(name: str, folder: Path, simai_run: str, astra_run: str) -> dict:
             "trace_ends": abs(cluster_end_us * 1e3 - cluster.step_ns) <= 1.0}
 
 
-def run_simai(run_sh: str, path: Path, world: int) -> tuple[float, float]:
-    """(total comp, Total time) in microseconds from SimAI's end-to-end summary."""
-    out = subprocess.run([run_sh, str(path), str(world)], capture_output=True, text=True, timeout=600)
+def run_simai(run_sh: str, path: Path, world: int, device) -> tuple[float, float]:
+    """(total comp, Total time) in microseconds from SimAI's end-to-end summary, on the device's own links."""
+    topology = device.network()
+    env = {**os.environ, "NVLINK_GBPS": f"{nvlink_bus_bytes_per_s(topology) / 1e9:.1f}",
+           "NIC_GBPS": f"{topology.nic_share_bytes_per_s * NIC_EFFICIENCY / 1e9:.1f}"}
+    out = subprocess.run([run_sh, str(path), str(world), str(min(world, topology.nvlink_domain_gpus))],
+                         capture_output=True, text=True, timeout=900, env=env)
     lines = out.stdout.splitlines()
     if out.returncode or len(lines) < 2:
         raise SystemExit(f"SimAI failed on {path}:\n{out.stdout}{out.stderr}")
@@ -140,21 +151,43 @@ def run_simai(run_sh: str, path: Path, world: int) -> tuple[float, float]:
 
 
 def run_astra(run_sh: str, prefix: Path, npus: int, groups: Path, device) -> float:
-    """The slowest rank's finish time in ns."""
-    network = prefix.parent / "network.yml"
-    network.write_text(network_yml(npus, device))
-    out = subprocess.run([run_sh, str(prefix), str(npus), str(groups)], capture_output=True, text=True, timeout=900,
-                         env={**os.environ, "NETWORK": str(network)})
+    """The slowest rank's finish time in ns. Run as run.sh runs the simulator, with the device's network and a
+    system file giving ring collectives in each of its dimensions (run.sh's file names one)."""
+    here = Path(run_sh).resolve().parent
+    network, system = prefix.parent / "network.yml", prefix.parent / "system.json"
+    text, dimensions = network_yml(npus, device)
+    network.write_text(text)
+    config = json.loads((here / "examples/system/native_collectives/HGX-H100-validated.json").read_text())
+    for key in ("all-reduce-implementation", "all-gather-implementation", "reduce-scatter-implementation",
+                "all-to-all-implementation"):
+        config[key] = ["ring"] * dimensions
+    system.write_text(json.dumps(config))
+    command = [str(here / "AstraSim_Analytical_Congestion_Unaware"), f"--workload-configuration={prefix}",
+               f"--system-configuration={system}",
+               f"--remote-memory-configuration={here / 'examples/remote_memory/analytical/no_memory_expansion.json'}",
+               f"--network-configuration={network}", f"--comm-group-configuration={groups}"]
+    ran = subprocess.run(command, capture_output=True, text=True, timeout=1800, cwd=prefix.parent)
+    out = subprocess.CompletedProcess(ran.args, ran.returncode, "\n".join(
+        f"rank {m.group(1)}: {m.group(2)} ns" for m in re.finditer(r"sys\[(\d+)\] finished, (\d+) cycles", ran.stdout)),
+        ran.stderr + ran.stdout[-2000:])
     finished = [int(m.group(1)) for m in re.finditer(r"rank \d+: (\d+) ns", out.stdout)]
     if out.returncode or len(finished) != npus:
         raise SystemExit(f"ASTRA-sim failed on {prefix}:\n{out.stdout}{out.stderr}")
     return max(finished)
 
 
-def network_yml(npus: int, device) -> str:
-    gbps = device.intra_node_bytes_per_s / 2 / 1e9
-    return (f"topology: [ Switch ]\nnpus_count: [ {npus} ]\nbandwidth: [ {gbps} ]  # GB/s\n"
-            f"latency: [ {ASTRA_LATENCY_NS} ]  # ns\n")
+def network_yml(npus: int, device) -> tuple[str, int]:
+    """ASTRA-sim's network for the device's topology, and its dimension count: the NVLink domain as one switch,
+    and past it one switch per rail joining the domains (each GPU's NIC share)."""
+    topology = device.network()
+    domain = min(npus, topology.nvlink_domain_gpus)
+    nvlink = nvlink_bus_bytes_per_s(topology) / 2 / 1e9
+    if npus <= domain:
+        return (f"topology: [ Switch ]\nnpus_count: [ {npus} ]\nbandwidth: [ {nvlink:.2f} ]  # GB/s\n"
+                f"latency: [ {ASTRA_LATENCY_NS} ]  # ns\n"), 1
+    nic = topology.nic_share_bytes_per_s * NIC_EFFICIENCY / 2 / 1e9
+    return (f"topology: [ Switch, Switch ]\nnpus_count: [ {domain}, {npus // domain} ]\n"
+            f"bandwidth: [ {nvlink:.2f}, {nic:.2f} ]  # GB/s\nlatency: [ {ASTRA_LATENCY_NS}, {ASTRA_LATENCY_NS} ]  # ns\n"), 2
 
 
 def ring_check(folder: Path, astra_run: str) -> str:
@@ -176,8 +209,10 @@ def ring_check(folder: Path, astra_run: str) -> str:
     (folder / "ring.groups.json").write_text(json.dumps({"1": list(range(ranks))}))
     device = load(DEVICE)
     astra_us = run_astra(astra_run, folder / "ring", ranks, folder / "ring.groups.json", device) / 1e3
-    ours_us = collective_ns("ALLREDUCE", size, ranks, 1, device) / 1e3
-    return f"100 MB all-reduce over 8 ranks: ASTRA-sim {astra_us:.0f} us, NCCL's model {ours_us:.0f} us"
+    ours_us = choose("ALLREDUCE", size, ranks, 1, device.network(), ("ring",)).time_ns / 1e3
+    chosen = choose("ALLREDUCE", size, ranks, 1, device.network())
+    return (f"100 MB all-reduce over 8 ranks: ASTRA-sim {astra_us:.0f} us, NCCL's model {ours_us:.0f} us as a ring "
+            f"({chosen.time_ns / 1e3:.0f} us as NCCL's tuner runs it: {chosen.algorithm}/{chosen.protocol})")
 
 
 def _describe(p: Parallel, batch: int, seq: int) -> str:
