@@ -55,6 +55,13 @@ ROWS = [
 ]
 
 
+# small messages, compared by time: device, collective, ranks, nodes, bytes, forced algorithms, published us, source
+SMALL = [
+    ("h20", "ALLREDUCE", 16, 2, 4, ("nvls_tree",), 47.54,
+     "NVIDIA/nccl#1244: 2 HGX H20 nodes, 16 GPUs, 16 NDR NICs, NCCL 2.21.5, NCCL_ALGO=NVLSTree, 4 B: 47.54 us"),
+]
+
+
 def bus_factor(collective: str, ranks: int) -> float:
     return 2 * (ranks - 1) / ranks if collective == "ALLREDUCE" else (ranks - 1) / ranks
 
@@ -74,6 +81,14 @@ def main() -> int:
               f"{published:>9.1f} {error:>+8.1%}  {source}{' [sets a constant]' if constant else ''}")
     print(f"\n{len(errors)} rows not used for any constant: median |error| {statistics.median(errors):.1%}, "
           f"max {max(errors):.1%}")
+    print(f"\nsmall messages (time):\n{'device':<10} {'collective':<13} {'ranks':>5} {'nodes':>5} {'bytes':>7} "
+          f"{'algorithm':<17} {'ours us':>9} {'published':>9} {'error':>8}  source")
+    for device, collective, ranks, nodes, nbytes, forced, published_us, source in SMALL:
+        call = choose(collective, nbytes, ranks, nodes, devices.load(device).network(), forced)
+        ours = call.time_ns / 1e3
+        print(f"{device:<10} {collective:<13} {ranks:>5} {nodes:>5} {nbytes:>7} "
+              f"{call.algorithm + '/' + call.protocol + (' (forced)' if forced else ''):<17} {ours:>9.1f} "
+              f"{published_us:>9.1f} {ours / published_us - 1:>+8.1%}  {source}")
     return 0
 
 
