@@ -584,7 +584,7 @@ def _device_row(name: str, load, note: str = "") -> list:
     kinds = list(d.figure_kinds().values())
     counted = ", ".join(f"{kinds.count(k)} {k}" for k in ("datasheet", "fitted", "assumed") if kinds.count(k))
     fp8 = d.matmul_flops_per_s.get("fp8")
-    return [name, d.description + note, *(f"{d.matmul_flops_per_s[k] / 1e12:.4g}" for k in ("fp32", "bf16")),
+    return [name, d.description + note, *(f"{d.matmul_flops_per_s[k] / 1e12:.4g}" if k in d.matmul_flops_per_s else "-" for k in ("fp32", "bf16")),
             f"{fp8 / 1e12:.4g}" if fp8 else "-", f"{d.memory_bytes_per_s / 1e9:.0f}",
             f"{d.memory_capacity_bytes / 1e9:.0f}" if d.memory_capacity_bytes else "-", d.sm_count or "-",
             f"{d.kernel_launch_ns / 1e3:.2f}", counted or "measured"]

@@ -188,6 +188,7 @@ def extract(model: str, batch: int = 1, seq: int | None = None, dtype: str = "fp
     if name is not None:
         check_name(name, "--name")
     profile = devices.with_topology(load_device(device, say=print_progress if progress else None), topology)
+    devices.check_dtype(profile, dtype)
     if fp8:
         check_fp8(profile, dtype)
     elif parallel.fp8_param_gather:

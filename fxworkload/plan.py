@@ -370,6 +370,7 @@ def _plan_device(name: str, fp8: bool, dtype: str, topology: str | None = None):
         raise UserError(f"device '{profile.name}' lacks interconnect or memory figures a plan needs; use a GPU "
                         "profile such as --device h100-sxm")
     profile = devices.with_topology(profile, topology)
+    devices.check_dtype(profile, dtype)
     if fp8:
         from .workload.fp8 import check_fp8
 

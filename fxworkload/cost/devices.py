@@ -58,6 +58,7 @@ class DeviceProfile:
     # The model's fitted parameters: named by a file in fits/ (shipped profiles) or given inline (calibrated).
     gpu_model_fit: str = ""
     gpu_model_parameters: dict[str, float] = field(default_factory=dict)
+    power_limit_w: float = 0.0  # the board's power limit (TDP), W; 0 = not given
     # The network this GPU sits in (cost/topology.py), any of Topology's fields; the rest from the figures above
     topology: dict = field(default_factory=dict)
 
@@ -207,7 +208,7 @@ def read(path: Path) -> DeviceProfile:
         raise UserError(f"{path}: {problem}; fix the profile or delete it and run 'fxworkload calibrate'")
     if profile.sm_count or profile.arch:
         missing = [name for name in GPU_FACTS if not getattr(profile, name)]
-        missing += [f"matmul_flops_per_s.{d}" for d in ("fp32", "bf16", "fp16") if not profile.matmul_flops_per_s.get(d)]
+        missing += [] if profile.matmul_flops_per_s.get("fp32") else ["matmul_flops_per_s.fp32"]
         if not profile.memory_bytes_per_s:
             missing.append("memory_bytes_per_s")
         if missing:
@@ -221,8 +222,8 @@ def _bad_figure(profile: DeviceProfile) -> str | None:
     def number(value) -> bool:
         return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
-    if not isinstance(profile.matmul_flops_per_s, dict) or set(profile.matmul_flops_per_s) < {"fp32", "bf16", "fp16"}:
-        return "matmul_flops_per_s must give fp32, bf16 and fp16 rates"
+    if not isinstance(profile.matmul_flops_per_s, dict) or "fp32" not in profile.matmul_flops_per_s:
+        return "matmul_flops_per_s must give at least the fp32 rate (and each 16-bit or FP8 rate the GPU has)"
     positive = {f"matmul_flops_per_s.{k}": v for k, v in profile.matmul_flops_per_s.items()}
     positive |= {"vector_flops_per_s": profile.vector_flops_per_s, "memory_bytes_per_s": profile.memory_bytes_per_s}
     positive |= {f"vector_flops_per_s_by_op.{k}": v for k, v in _items(profile.vector_flops_per_s_by_op)}
@@ -234,7 +235,7 @@ def _bad_figure(profile: DeviceProfile) -> str | None:
         if not number(value) or value <= 0:
             return f"{name} = {value!r} is not a positive finite number"
     for name in ("intra_node_bytes_per_s", "inter_node_bytes_per_s", "kernel_launch_ns", "sm_count", "l2_bytes",
-                 "memory_capacity_bytes"):
+                 "memory_capacity_bytes", "power_limit_w"):
         value = getattr(profile, name)
         if not number(value) or value < 0:
             return f"{name} = {value!r} must be a finite number, 0 or more"
@@ -248,6 +249,14 @@ def _bad_figure(profile: DeviceProfile) -> str | None:
         if not number(value):
             return f"gpu_model_parameters.{name} = {value!r} is not a finite number"
     return _bad_topology(profile)
+
+
+def check_dtype(profile: DeviceProfile, dtype: str) -> None:
+    """A dtype the GPU has no rate for (Volta and Turing have no BF16, Pascal no tensor cores) is refused."""
+    if dtype not in profile.matmul_flops_per_s:
+        has = ", ".join(d for d in ("fp32", "fp16", "bf16") if d in profile.matmul_flops_per_s)
+        raise UserError(f"device '{profile.name}' has no {dtype} rate in its profile (the GPU lacks it): use --dtype "
+                        f"{has.replace(', ', ' or ')}")
 
 
 def with_topology(profile: DeviceProfile, text: str | None) -> DeviceProfile:

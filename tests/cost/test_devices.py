@@ -22,7 +22,58 @@ DATASHEETS = {
     "h20": (44, 148, 296, False, 4.0, 96, 78),  # partners' specification sheet as reported (no NVIDIA datasheet)
     "mi300x": (163.4, 1307.4, 2614.9, False, 5.3, 192, 304),  # AMD Instinct MI300X data sheet (dense figures)
     "mi325x": (163.4, 1307.4, 2614.9, False, 6.0, 256, 304),  # AMD Instinct MI325X data sheet
+    "l4": (30.3, 242, 485, True, 0.3, 24, 58),  # NVIDIA L4 datasheet (2023); SMs: Ada whitepaper
+    "a100-pcie-40gb": (19.5, 312, None, False, 1.555, 40, 108),  # NVIDIA A100 datasheet, PCIe 40GB
+    "a100-pcie-80gb": (19.5, 312, None, False, 1.935, 80, 108),  # NVIDIA A100 datasheet, 80GB PCIe
 }
+# GPUs without BF16 (or any 16-bit tensor rate): name: (FP32 TFLOPS, FP16 TFLOPS or None, memory TB/s, GB, SMs or
+# CUs, board power W)
+OLDER = {
+    "v100-pcie": (14, 112, 0.9, 32, 80, 250),  # NVIDIA Tesla V100 datasheet, PCIe 32GB (FP16: Tensor Cores)
+    "t4": (8.1, 65, 0.32, 16, 40, 70),  # NVIDIA T4 datasheet (FP16: mixed-precision Tensor Cores)
+    "p100-pcie": (9.3, 18.7, 0.732, 16, 56, 250),  # NVIDIA Tesla P100 datasheet, PCIe 16GB (FP16 on the FP32 units)
+    "p4": (5.5, None, 0.192, 8, 20, 75),  # NVIDIA Tesla P4 datasheet (no FP16 rate; INT8 22 TOPS)
+}
+
+
+@pytest.mark.parametrize("name", sorted(OLDER))
+def test_each_older_gpu_profile_holds_its_datasheets_figures_and_lacks_bf16(name):
+    fp32, fp16, tb_per_s, gb, sms, watts = OLDER[name]
+    profile = load(name)
+    assert profile.matmul_flops_per_s["fp32"] == pytest.approx(fp32 * 1e12)
+    assert profile.matmul_flops_per_s.get("fp16") == (pytest.approx(fp16 * 1e12) if fp16 else None)
+    assert "bf16" not in profile.matmul_flops_per_s and "fp8" not in profile.matmul_flops_per_s
+    assert profile.memory_bytes_per_s == pytest.approx(tb_per_s * 1e12)
+    assert profile.memory_capacity_bytes == pytest.approx(gb * 1e9, rel=0.01)
+    assert (profile.sm_count, profile.power_limit_w) == (sms, watts)
+    assert profile.sources.get("power_limit_w") and profile.sources.get("matmul_flops_per_s")
+
+
+@pytest.mark.parametrize("name, fp32_matrix, fp16, bf16, tb_per_s, cus", [
+    ("mi100", 46.1, 184.6, 92.3, 1.2288, 120),  # AMD Instinct MI100 data sheet (2020); CUs: CDNA whitepaper
+    ("mi210", 45.3, 181, 181, 1.6384, 104),  # AMD Instinct MI210 data sheet (2022); CUs: CDNA 2 whitepaper
+])
+def test_each_cdna_profile_holds_its_data_sheets_figures(name, fp32_matrix, fp16, bf16, tb_per_s, cus):
+    profile = load(name)
+    assert profile.matmul_flops_per_s["fp32"] == pytest.approx(fp32_matrix * 1e12)  # FP32 matrix (MFMA) peak
+    assert profile.matmul_flops_per_s["fp16"] == pytest.approx(fp16 * 1e12)
+    assert profile.matmul_flops_per_s["bf16"] == pytest.approx(bf16 * 1e12)
+    assert profile.memory_bytes_per_s == pytest.approx(tb_per_s * 1e12)
+    assert profile.sm_count == cus and profile.power_limit_w == 300
+
+
+def test_a_dtype_the_gpu_lacks_is_refused_in_one_line(tiny_dirs, tmp_path):
+    """A V100 has no BF16: extract and plan say so and name the dtypes it has."""
+    from ..test_cli import fxworkload
+
+    run = fxworkload("extract", tiny_dirs["llama"], "--seq", 16, "--dtype", "bf16", "--device", "v100-pcie",
+                     "--out", tmp_path / "o")
+    assert run.returncode != 0 and not (tmp_path / "o").exists()
+    assert "device 'v100-pcie' has no bf16 rate" in run.stderr and "--dtype fp32 or fp16" in run.stderr
+    assert len(run.stderr.strip().splitlines()) == 1
+    run = fxworkload("extract", tiny_dirs["llama"], "--seq", 16, "--dtype", "fp16", "--device", "v100-pcie",
+                     "--out", tmp_path / "o")
+    assert run.returncode == 0, run.stderr
 
 
 @pytest.mark.parametrize("name", sorted(DATASHEETS))

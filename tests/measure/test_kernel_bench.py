@@ -113,7 +113,14 @@ def test_a_gpu_name_finds_its_datasheet_profile():
     assert devices.matching_gpu("NVIDIA H200") == "h200"
     assert devices.matching_gpu("NVIDIA H100 PCIe") == "h100-pcie"
     assert devices.matching_gpu("NVIDIA H100 NVL") == "h100-nvl"
-    assert devices.matching_gpu("NVIDIA L40S") == "l40s" and devices.matching_gpu("NVIDIA L4") is None
+    assert devices.matching_gpu("NVIDIA L40S") == "l40s" and devices.matching_gpu("NVIDIA L4") == "l4"
+    # the names torch reports on the GPUs of NeuSight's data (its CSVs' Device column), each to its own profile
+    assert devices.matching_gpu("Tesla T4") == "t4" and devices.matching_gpu("Tesla P4") == "p4"
+    assert devices.matching_gpu("Tesla V100-PCIE-32GB") == "v100-pcie"
+    assert devices.matching_gpu("NVIDIA A100 80GB PCIe") == "a100-pcie-80gb"
+    assert devices.matching_gpu("NVIDIA A100-PCIE-40GB") == "a100-pcie-40gb"
+    assert devices.matching_gpu("NVIDIA A100-SXM4-80GB") == "a100-80gb"
+    assert devices.matching_gpu("AMD Instinct MI210") == "mi210"
     assert devices.matching_gpu("NVIDIA B200") == "b200" and devices.matching_gpu("NVIDIA GB200") == "gb200"
     assert devices.matching_gpu("NVIDIA RTX A6000") is None
 
