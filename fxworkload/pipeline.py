@@ -85,7 +85,7 @@ class Extraction:
             text += "\n" + rank_summary_text(self.rank)
         text += "\n" + memory_summary_text(self.memory, self.device.name)
         if self.cluster_or_none() is not None:
-            text += "\n" + cluster_summary_text(self.cluster)
+            text += "\n" + cluster_summary_text(self.cluster, self.settings.get("fp8", False))
         if formats is not None and "simai" in formats and parallel.vpp > 1:
             text += (f"\nnote: --vpp {parallel.vpp}: the SimAI file holds this device's {parallel.vpp} chunks, once per "
                      "micro-batch in the schedule's forward order, and vpp in its header for SimAI's bubble formula; "

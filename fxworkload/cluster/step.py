@@ -191,7 +191,7 @@ def cluster_step(facts: ModelFacts, workload: Workload, model_workload: Workload
     micro = p.micro_batches
     exposed = {"tp": slowest.blocking_comm_ns["tp"] * micro, "cp": slowest.blocking_comm_ns["cp"] * micro,
                "ep": slowest.blocking_comm_ns["ep"] * micro,
-               "pp_bubble": pipeline_ns - busy_ns,
+               "pp_bubble": max(0.0, pipeline_ns - busy_ns),  # no pipeline: 0, not a rounding error below it
                "dp": max(slowest.data_parallel_end_ns - slowest.pipeline_end_ns, 0.0),
                "zero_gather": slowest.zero_gather_ns, "zero3_gather": slowest.zero3_exposed_gather_ns,
                "dp_bucket_slowdown": slowest.bucket_slowdown_ns,
@@ -200,7 +200,7 @@ def cluster_step(facts: ModelFacts, workload: Workload, model_workload: Workload
     model_flops = sum(f[0] for f in flops) * micro * ranks_per_stage
     hardware_flops = sum(f[1] for f in flops) * micro * ranks_per_stage
     return ClusterStep(parallel=p, micro_batch=micro_batch, seq=seq, step_ns=slowest.end_ns, pipeline_ns=pipeline_ns,
-                       bubble_fraction=1 - busy_ns / pipeline_ns if pipeline_ns else 0.0,
+                       bubble_fraction=max(0.0, 1 - busy_ns / pipeline_ns) if pipeline_ns else 0.0,
                        exposed_ns=exposed, model_flops=model_flops, hardware_flops=hardware_flops,
                        peak_flops_per_s=device.matmul_flops_per_s[dtype], devices=devices, device_passes=passes,
                        data_parallel_spans=spans, device_units=[layout[1] for layout in layouts],

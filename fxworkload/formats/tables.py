@@ -173,8 +173,9 @@ def rank_summary_text(rank) -> str:
     return tabulate(lines, tablefmt="simple") + "\n"
 
 
-def cluster_summary_text(cluster) -> str:
-    """The whole cluster's step: schedule, what the collectives expose, utilisation."""
+def cluster_summary_text(cluster, fp8: bool = False) -> str:
+    """The whole cluster's step: schedule, what the collectives expose, utilisation (over --dtype's dense peak,
+    as Megatron-LM and NeMo count it for FP8 runs too)."""
     p = cluster.parallel
     schedule = "no pipeline" if p.pp == 1 else (f"1F1B over {p.pp} stages" if p.vpp == 1
                                                 else f"interleaved 1F1B, {p.pp} stages x {p.vpp} chunks")
@@ -193,13 +194,26 @@ def cluster_summary_text(cluster) -> str:
              ["backward slowed by overlapped dp buckets ms (SMs held by NCCL)",
               f"{exposed.get('dp_bucket_slowdown', 0.0) / 1e6:.3f}"],
              ["optimizer step ms (Adam, memory-bound)", f"{exposed['optimizer'] / 1e6:.3f}"],
-             [("MFU / HFU (model / hardware FLOPs over the dense peak)" if cluster.profile is None or
+             [(f"MFU / HFU (model / hardware FLOPs over the {_peak_name(cluster)} dense peak, "
+               f"{cluster.peak_flops_per_s / 1e12:,.1f} TFLOP/s{_fp8_note(cluster, fp8)})" if cluster.profile is None or
                cluster.profile.arch else "FLOPs utilisation (model / hardware FLOPs over this CPU's measured "
                                          "GEMM rate, not a datasheet peak)"),
               f"{100 * cluster.mfu:.1f}% / {100 * cluster.hfu:.1f}%"],
              ["TFLOP/s per GPU (model FLOPs)", f"{cluster.tflops_per_gpu:.1f}"],
              ["tokens per s per GPU", f"{cluster.tokens_per_s_per_gpu:,.1f}"]]
     return tabulate(lines, tablefmt="simple") + "\n"
+
+
+def _peak_name(cluster) -> str:
+    """The dtype whose dense peak the utilisation is over (--dtype's: bf16 for an --fp8 step too)."""
+    rates = cluster.profile.matmul_flops_per_s if cluster.profile is not None else {}
+    return next((name for name in ("bf16", "fp16", "fp32") if rates.get(name) == cluster.peak_flops_per_s), "--dtype")
+
+
+def _fp8_note(cluster, fp8: bool) -> str:
+    """With --fp8 the linear GEMMs run at the FP8 peak, so the utilisation over --dtype's peak can pass 100 %."""
+    rates = cluster.profile.matmul_flops_per_s if cluster.profile is not None else {}
+    return f"; --fp8 GEMMs run at up to {rates['fp8'] / 1e12:,.0f}" if fp8 and "fp8" in rates else ""
 
 
 def memory_summary_text(memory, device_name: str) -> str:

@@ -130,3 +130,19 @@ def test_overlapped_buckets_slow_the_backward_they_run_beside(tiny_dirs):
     after = extract(str(tiny_dirs["llama"]), batch=2, seq=16, device="h100-sxm",
                     parallel=Parallel(dp=4, bucket_mb=0, overlap_grad_reduce=False)).cluster
     assert after.devices[0].bucket_slowdown_ns == 0  # nothing runs beside the backward
+
+
+@pytest.mark.parametrize("layout", [dict(dp=2), dict(dp=2, zero=3, micro_batches=3), dict(tp=2, micro_batches=2)])
+def test_no_pipeline_has_no_bubble_not_a_rounding_error_below_zero(tiny_dirs, layout):
+    """Issue 38: without a pipeline the bubble read -4.4e-16 (the busiest stage's compute summed in another
+    order than its pipeline's end). One stage has no bubble: exactly 0."""
+    cluster = extract(str(tiny_dirs["llama"]), batch=1, seq=16, device="h100-sxm", parallel=Parallel(**layout)).cluster
+    assert cluster.bubble_fraction == 0.0 and cluster.exposed_ns["pp_bubble"] == 0.0
+
+
+def test_fp8_utilisation_says_which_peak_it_is_over(tiny_dirs):
+    """Issue 38: with --fp8 the summary printed HFU 110 % 'over the dense peak' (the BF16 one). It now names
+    the peak (bf16, 989.4 TFLOP/s on the H100 datasheet) and the FP8 GEMMs' own (1,979 dense)."""
+    result = extract(str(tiny_dirs["llama"]), batch=1, seq=16, dtype="bf16", device="h100-sxm", fp8=True)
+    line = next(line for line in result.summary().splitlines() if line.startswith("MFU / HFU"))
+    assert "over the bf16 dense peak, 989.4 TFLOP/s; --fp8 GEMMs run at up to 1,979" in line
