@@ -170,9 +170,55 @@ def _trace_friendly(model: torch.nn.Module):
         if dtype != torch.bfloat16:
             moe._can_use_grouped_mm = lambda *args: False
         try:
-            yield
+            with _llama4_routed():
+                yield
         finally:
             moe._can_use_grouped_mm = original
+
+
+@contextlib.contextmanager
+def _llama4_routed():
+    """Llama 4's text MoE as training runs it: each token through its top-k experts only.
+
+    transformers' eager Llama4TextMoe sends every token through every expert (``hidden_states.repeat``
+    over the experts, the router's sigmoid scores zero for the unchosen ones): 16 experts at top-1 cost
+    16x the routed FLOPs. Training stacks (torchtitan's Llama 4, Megatron-Core's grouped GEMM) sort the
+    routed (token, expert) pairs by expert and run one grouped GEMM per projection. Same arithmetic as
+    transformers' (the input scaled by the sigmoid of its top-k logits, the shared expert added), on the
+    routed tokens, through transformers' own grouped GEMM (integrations/moe.py), inside the experts module.
+    """
+    try:
+        from transformers.integrations.moe import _grouped_linear
+        from transformers.models.llama4 import modeling_llama4 as llama4
+    except ImportError:
+        yield
+        return
+
+    def experts_forward(self, routed, offsets):
+        gate, up = _grouped_linear(routed, self.gate_up_proj, offsets, is_transposed=True).chunk(2, dim=-1)
+        return _grouped_linear(up * self.act_fn(gate), self.down_proj, offsets, is_transposed=True)
+
+    def moe_forward(self, hidden_states):
+        hidden_states = hidden_states.reshape(-1, self.hidden_dim)
+        router_logits = torch.nn.functional.linear(hidden_states, self.router.weight)
+        top_value, top_index = torch.topk(router_logits, self.top_k, dim=1)
+        scores = torch.sigmoid(top_value.float()).to(hidden_states.dtype).reshape(-1)
+        expert_ids, order = torch.sort(top_index.reshape(-1))
+        tokens = order // self.top_k
+        routed = hidden_states[tokens] * scores[order].unsqueeze(-1)
+        counted = expert_ids.float() if hidden_states.device.type in ("cpu", "meta", "mps") else expert_ids.int()
+        per_expert = torch.histc(counted, bins=self.num_experts, min=0, max=self.num_experts - 1)
+        offsets = torch.cumsum(per_expert, dim=0, dtype=torch.int32)
+        out = self.shared_expert(hidden_states)
+        out.index_add_(0, tokens, self.experts(routed, offsets).to(out.dtype))
+        return out, router_logits
+
+    saved = llama4.Llama4TextMoe.forward, llama4.Llama4TextExperts.forward
+    llama4.Llama4TextMoe.forward, llama4.Llama4TextExperts.forward = moe_forward, experts_forward
+    try:
+        yield
+    finally:
+        llama4.Llama4TextMoe.forward, llama4.Llama4TextExperts.forward = saved
 
 
 @contextlib.contextmanager
