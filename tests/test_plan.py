@@ -372,3 +372,24 @@ def test_plan_refuses_a_bad_topology_in_one_line(four_layers, tmp_path, value, s
                      "--out", tmp_path / "p")
     assert run.returncode != 0 and says in run.stderr
     assert len(run.stderr.strip().splitlines()) == 1 and not (tmp_path / "p").exists()
+
+
+def test_plan_overlap_param_gather_hides_zero_1_and_2_gathers(four_layers, tmp_path):
+    """plan --overlap-param-gather: every ZeRO 1/2 layout owes no more for its parameter gathers than without it
+    (the same layout, its gathers moved under the next forward), ZeRO 0 and 3 layouts are unchanged."""
+    runs = {}
+    for name, extra in (("after", ()), ("overlapped", ("--overlap-param-gather",))):
+        run = fxworkload("plan", four_layers, "--gpus", 8, "--global-batch", 16, "--seq", 16, "--workers", 1,
+                         "--out", tmp_path / name, "--top", 0, *extra)
+        assert run.returncode == 0, run.stderr
+        runs[name] = json.loads((tmp_path / name / "plan.json").read_text())
+    assert runs["overlapped"]["overlap_param_gather"] is True and "overlap_param_gather" not in runs["after"]
+    key = lambda r: tuple(r[k] for k in ("tp", "pp", "dp", "zero", "recompute", "micro_batch", "vpp"))  # noqa: E731
+    after = {key(r): r for r in runs["after"]["ranked"]}
+    pairs = [(r, after[key(r)]) for r in runs["overlapped"]["ranked"] if key(r) in after]
+    assert any(r["zero"] in (1, 2) and r["dp"] > 1 for r, _ in pairs)
+    for overlapped, plain in pairs:
+        if overlapped["zero"] in (1, 2):
+            assert overlapped["step_ms"] <= plain["step_ms"] + 1e-9
+        else:
+            assert overlapped["step_ms"] == plain["step_ms"]

@@ -26,12 +26,12 @@ from ..cost.devices import DeviceProfile
 from ..cost.gpu import memory_ns
 from ..dtypes import DTYPES
 from ..memo import Memo
-from ..parallel.collectives import ALLGATHER, data_parallel_units, fsdp_comms, fsdp_units, zero_rows
+from ..parallel.collectives import ALLGATHER, REDUCESCATTER, data_parallel_units, fsdp_comms, fsdp_units, zero_rows
 from ..parallel.facts import ModelFacts
 from ..parallel.layout import Parallel, virtual_stage_layers
 from ..parallel.memory import ADAM_BYTES_PER_PARAMETER, fp8_weight_elements
 from ..parallel.rank import MODEL_PARALLEL_FIELDS, model_chunks, model_parallel_chunks, split_once
-from ..parallel.units import Unit, is_expert
+from ..parallel.units import Comm, Unit, is_expert
 from ..workload.table import Workload
 from .network import comm_ns, p2p_ns
 from .schedule import BACKWARD, Pass, timelines
@@ -75,6 +75,9 @@ class ClusterStep:
     device_units: list[list[Unit]] = field(repr=False, default_factory=list)  # per device, dp rows included
     device_chunks: list[list[list[Unit]]] = field(repr=False, default_factory=list)  # per device, its model chunks
     boundary_bytes: int = 0  # one activation sent between pipeline stages
+    # --overlap-param-gather: per device, its first chunk's units grouped by the bucket whose parameter all-gathers
+    # they wait for in the first forward (param_gather_groups)
+    param_gathers: list = field(repr=False, default_factory=list)
     profile: DeviceProfile | None = field(repr=False, default=None)
     # the micro-batch's 90 % interval over its estimate (kernel families' held-out errors; the step as
     # captured, before recomputation), applied to the whole step: the collectives are taken as they are
@@ -205,6 +208,8 @@ def cluster_step(facts: ModelFacts, workload: Workload, model_workload: Workload
                        peak_flops_per_s=device.matmul_flops_per_s[dtype], devices=devices, device_passes=passes,
                        data_parallel_spans=spans, device_units=[layout[1] for layout in layouts],
                        device_chunks=[layout[0] for layout in layouts], boundary_bytes=boundary, profile=device,
+                       param_gathers=[param_gather_groups(*layout, p, dtype, grad_dtype) for layout in layouts]
+                       if p.overlap_param_gather and p.zero in (1, 2) else [],
                        interval_ratio=_interval_ratio(model_workload))
 
 
@@ -280,14 +285,52 @@ def _after_the_passes(layout: tuple, workload: Workload, p: Parallel, dtype: str
     """A device's optimizer step (with the FP8 weights' cast) and, under ZeRO 1/2, its updated parameters'
     gathers: once per device and data-parallel side in a layout search (its units are the memoised ones)."""
     chunks, with_dp = layout
-    key = (id(chunks), id(with_dp), id(workload), id(device), p.zero, p.replicas, p.dp, p.ep, dtype, grad_dtype)
+    key = (id(chunks), id(with_dp), id(workload), id(device), p.zero, p.replicas, p.dp, p.ep, dtype, grad_dtype,
+           p.overlap_param_gather, p.tp, p.cp, p.sp, p.cp_comm)
 
     def make() -> tuple[float, float]:
         optimizer = _optimizer_ns(chunks, p, dtype, grad_dtype, device) + _fp8_weight_cast_ns(chunks, workload, device)
-        gather = sum(comm_ns(c, p, device) for u in with_dp if u.block == "dp" for c in u.comms[WEIGHT_GRAD]
-                     if c.type == ALLGATHER) if p.zero in (1, 2) else 0.0
-        return optimizer, gather
+        if p.zero not in (1, 2):
+            return optimizer, 0.0
+        if p.overlap_param_gather:
+            return optimizer, overlapped_gather_ns(chunks, with_dp, p, device, dtype, grad_dtype)
+        return optimizer, sum(comm_ns(c, p, device) for u in with_dp if u.block == "dp" for c in u.comms[WEIGHT_GRAD]
+                              if c.type == ALLGATHER)
     return _AFTER.get(key, (chunks, with_dp, workload, device), make)
+
+
+def param_gather_groups(chunks: list[list[Unit]], with_dp: list[Unit], p: Parallel, dtype: str,
+                        grad_dtype: str) -> list[tuple[list[Unit], list[Comm]]]:
+    """--overlap-param-gather: the first chunk's units in forward order, grouped by the gradient bucket whose
+    parameters they first need (a bucket's row sits before the first unit that owns its parameters), each
+    group with that bucket's parameter all-gathers (its reduce-scatter's elements at the parameters' dtype)."""
+    first = {id(u) for u in chunks[0]}
+    ratio = DTYPES[dtype].itemsize / DTYPES[grad_dtype].itemsize
+    groups: list[tuple[list[Unit], list[Comm]]] = [([], [])]
+    for unit in with_dp:
+        if unit.block != "dp":
+            if id(unit) not in first:
+                break  # later chunks' buckets have the rest of the forward passes to arrive
+            groups[-1][0].append(unit)
+            continue
+        gathers = [Comm(ALLGATHER, c.group, int(c.bytes * ratio), "updated parameters (bucket)")
+                   for c in unit.comms[WEIGHT_GRAD] if c.type == REDUCESCATTER]
+        if gathers and groups[-1][0]:
+            groups.append(([], []))
+        groups[-1][1].extend(gathers)
+    return [g for g in groups if g[0] or g[1]]
+
+
+def overlapped_gather_ns(chunks, with_dp, p: Parallel, device: DeviceProfile, dtype: str, grad_dtype: str) -> float:
+    """Megatron-Core's overlapped parameter gather (--overlap-param-gather; param_and_grad_buffer.py: the first
+    bucket group's all-gather starts after the optimizer, each bucket group's forward pre-hook waits for its own
+    and dispatches the next's): the first forward pass as ZeRO 3's stream runs it (zero3.py, prefetch of one), and
+    what it adds to the step: compute waiting for parameters, and compute slowed by the SMs the gathers hold."""
+    groups = [Group(compute_ns=sum(u.costs[FORWARD][0] + _comms_ns(u, FORWARD, p, device) for u in units),
+                    gather_ns=sum(comm_ns(c, p, device) for c in gathers))
+              for units, gathers in param_gather_groups(chunks, with_dp, p, dtype, grad_dtype)]
+    timeline = simulate_pass(groups, compute_share_lost(device.sm_count))
+    return timeline.exposed_gather_ns + timeline.slowdown_ns
 
 
 def _with_data_parallel(chunks: list[list[Unit]], p: Parallel, grad_dtype: str, dtype: str,

@@ -201,19 +201,23 @@ def _rank_nodes(pb, cluster, rank: int, groups: dict) -> list:
         # when the unit before it starts (the first one's when the pass starts); in backward each unit's
         # gradients are reduce-scattered when its compute ends
         groups, seen = [], set()
+        if forward and chunk == 0 and mb == 0 and cluster.param_gathers:  # --overlap-param-gather: the step's start
+            groups = [(tuple(units), tuple(gathers), (), ()) for units, gathers in cluster.param_gathers[stage]]
+            seen = {id(u) for units, *_ in groups for u in units}
+            groups = [g for g in groups if g[0]] or groups
         for unit in chunks[chunk] if forward else reversed(chunks[chunk]):
             group = fsdp.get(id(unit), ((unit,), (), (), ()))
             if id(group[0][0]) not in seen:
                 seen.add(id(group[0][0]))
                 groups.append(group)
         phase_gathers = 1 if forward else 2
-        ready = [issue(f"mb{mb} {c.type} {c.group} {c.what} (ZeRO 3 {groups[0][0][0].name})", c, list(b.last))
+        ready = [issue(f"mb{mb} {c.type} {c.group} {c.what} (ZeRO {p.zero} {groups[0][0][0].name})", c, list(b.last))
                  for c in groups[0][phase_gathers]] if groups else []
         for i, (members, *_, scatters) in enumerate(groups):
             b.last = [*b.last, *ready]
             if i + 1 < len(groups):
                 nxt = groups[i + 1]
-                ready = [issue(f"mb{mb} {c.type} {c.group} {c.what} (ZeRO 3 {nxt[0][0].name})", c, list(b.last))
+                ready = [issue(f"mb{mb} {c.type} {c.group} {c.what} (ZeRO {p.zero} {nxt[0][0].name})", c, list(b.last))
                          for c in nxt[phase_gathers]]
             for unit in members if forward else reversed(members):
                 _unit_nodes(b, pb, unit, forward, mb, p, cluster, completes)
@@ -226,12 +230,14 @@ def _rank_nodes(pb, cluster, rank: int, groups: dict) -> list:
                   comm_src=rank, comm_dst=(target % p.pp) * stage_ranks + within, comm_size=boundary,
                   comm_tag=_tag(forward, virtual, mb, p))
     last_bucket = stream if p.zero == 3 else _data_parallel(b, units, completes, cluster)
+    if cluster.param_gathers and stream:  # the optimizer waits for the overlapped gathers too
+        last_bucket = [*last_bucket, *stream]
     summary = cluster.devices[stage]
     if summary.optimizer_ns > 0:
         b.chain("optimizer step (Adam)", pb.COMP_NODE, extra=last_bucket, duration_ns=summary.optimizer_ns)
     elif last_bucket:
         b.last = [*b.last, *last_bucket]
-    if p.zero in (1, 2):
+    if p.zero in (1, 2) and not cluster.param_gathers:
         for unit in units:
             for comm in unit.comms[WEIGHT_GRAD] if unit.block == "dp" else ():
                 if comm.type == ALLGATHER:

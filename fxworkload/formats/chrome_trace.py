@@ -66,7 +66,7 @@ def _rank_in_the_cluster(timeline: "_Timeline", cluster, stage: int) -> None:
     if summary.optimizer_ns > 0:
         timeline.span("optimizer step (Adam)", "compute", COMPUTE, start, summary.optimizer_ns)
     if summary.zero_gather_ns > 0:
-        timeline.span("ZeRO parameter gather", "comm", DATA_PARALLEL_COMM, start + summary.optimizer_ns,
+        timeline.span(_gather_name(cluster.parallel), "comm", DATA_PARALLEL_COMM, start + summary.optimizer_ns,
                       summary.zero_gather_ns)
     timeline.now_ns = summary.end_ns
 
@@ -120,9 +120,16 @@ def cluster_events(cluster) -> list[dict]:
             events.append(_cluster_span("optimizer step (Adam)", "compute", d.device, COMPUTE, start,
                                         start + d.optimizer_ns))
         if d.zero_gather_ns > 0:
-            events.append(_cluster_span("ZeRO parameter gather", "comm", d.device, DATA_PARALLEL_COMM,
+            events.append(_cluster_span(_gather_name(cluster.parallel), "comm", d.device, DATA_PARALLEL_COMM,
                                         start + d.optimizer_ns, d.end_ns))
     return events
+
+
+def _gather_name(p: Parallel) -> str:
+    """ZeRO 1/2's parameter gathers after the optimizer, or (--overlap-param-gather) what of them the next
+    forward waits for, laid at the step's end as the time the step owes them."""
+    return "ZeRO parameter gather (exposed under the next forward)" if p.overlap_param_gather else \
+        "ZeRO parameter gather"
 
 
 def _cluster_span(name: str, category: str, device: int, tid: int, start_ns: float, end_ns: float, **args) -> dict:

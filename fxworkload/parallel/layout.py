@@ -29,6 +29,10 @@ class Parallel:
     # --overlap-grad-reduce); False: it starts when the last backward ends (Megatron-LM's default, and its only
     # way before 2023)
     overlap_grad_reduce: bool = True
+    # ZeRO 1/2 (Megatron-LM's distributed optimizer): the updated parameters' all-gathers run bucket by bucket
+    # under the next step's first forward, each bucket's waited for by the first module that needs it
+    # (Megatron-LM's --overlap-param-gather); False: they run after the optimizer, before the next step
+    overlap_param_gather: bool = False
     # context parallelism: the sequence split over cp ranks in 2·cp load-balanced chunks (rank r holds
     # chunks r and 2cp-1-r of the causal sequence); keys and values exchanged by a ring of point-to-point
     # steps overlapped with attention (Megatron-Core, "p2p") or one all-gather before it (Llama 3, "allgather")
@@ -80,6 +84,9 @@ def check_values(parallel: Parallel) -> None:
                         f"{MAX_BUCKET_MB:,} MiB, got {p.bucket_mb}")
     if not p.reshard_after_forward and p.zero != 3:
         raise UserError("--keep-gathered keeps ZeRO 3's gathered parameters: it needs --zero 3")
+    if p.overlap_param_gather and p.zero not in (1, 2):
+        raise UserError("--overlap-param-gather overlaps ZeRO 1/2's parameter all-gathers with the next forward: "
+                        "it needs --zero 1 or 2 (ZeRO 3 gathers beside every pass already)")
     if p.fp8_param_gather and p.zero == 0:
         raise UserError("--fp8-param-gather moves ZeRO's parameter all-gathers in FP8: it needs --zero 1, 2 or 3")
     if p.cp_comm not in CP_COMMS:

@@ -146,3 +146,34 @@ def test_fp8_utilisation_says_which_peak_it_is_over(tiny_dirs):
     result = extract(str(tiny_dirs["llama"]), batch=1, seq=16, dtype="bf16", device="h100-sxm", fp8=True)
     line = next(line for line in result.summary().splitlines() if line.startswith("MFU / HFU"))
     assert "over the bf16 dense peak, 989.4 TFLOP/s; --fp8 GEMMs run at up to 1,979" in line
+
+
+def test_overlapped_parameter_gather_hides_all_but_what_the_first_forward_waits_for(tiny_dirs):
+    """Megatron-LM's --overlap-param-gather (ZeRO 1/2): the buckets' all-gathers run under the next step's first
+    forward, prefetched one bucket ahead (Megatron-Core's param_and_grad_buffer). The step owes at least the
+    first bucket's gather (nothing computes before it arrives) and at most the gathers it ran after the
+    optimizer before; the rest of the step is unchanged."""
+    from fxworkload.cluster.network import comm_ns
+
+    def run(overlap):
+        return extract(str(tiny_dirs["llama"]), batch=2, seq=64, dtype="bf16", device="h100-sxm",
+                       parallel=Parallel(dp=16, zero=1, micro_batches=2, overlap_param_gather=overlap)).cluster
+
+    plain, overlapped = run(False), run(True)
+    first_bucket = sum(comm_ns(c, overlapped.parallel, overlapped.profile)
+                       for c in overlapped.param_gathers[0][0][1])
+    assert first_bucket > 0
+    exposed = overlapped.exposed_ns["zero_gather"]
+    assert first_bucket <= exposed <= plain.exposed_ns["zero_gather"]
+    assert overlapped.step_ns - exposed == pytest.approx(plain.step_ns - plain.exposed_ns["zero_gather"])
+    # every bucket's gather is in the groups: together they move what the plain step's one gather moves
+    assert sum(c.bytes for _, gathers in overlapped.param_gathers[0] for c in gathers) == pytest.approx(
+        sum(c.bytes for u in plain.device_units[0] if u.block == "dp" for c in u.comms["weight_grad"]
+            if c.type == "ALLGATHER"), rel=1e-6)
+
+
+def test_overlap_param_gather_needs_zero_1_or_2(tiny_dirs):
+    from fxworkload.errors import UserError
+
+    with pytest.raises(UserError, match="needs --zero 1 or 2"):
+        extract(str(tiny_dirs["llama"]), seq=16, device="h100-sxm", parallel=Parallel(dp=2, overlap_param_gather=True))

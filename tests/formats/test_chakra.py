@@ -329,3 +329,20 @@ def test_too_many_ranks_is_one_line(tiny_dirs, tmp_path):
     run = fxworkload("extract", tiny_dirs["llama"], "--device", "h100-sxm", "--format", "chakra", "--dp", 2048,
                      "--out", tmp_path / "x")
     assert run.returncode == 2 and "one trace per rank" in run.stderr and not (tmp_path / "x").exists()
+
+
+def test_overlapped_parameter_gathers_open_the_step_in_the_chakra_trace(tiny_dirs, tmp_path_factory):
+    """--overlap-param-gather: the buckets' parameter all-gathers run at the step's start beside the first forward
+    (each unit waits for its bucket's), none after the optimizer, which waits for the last of them."""
+    out, cluster = _write(tiny_dirs, tmp_path_factory, "llama", dict(dp=2, zero=1, micro_batches=2,
+                                                                     overlap_param_gather=True))
+    nodes = read(out / "workload.0.et")
+    ancestors = _ancestors(nodes)
+    gathers = [n for n in nodes if n.type == COMM_COLL_NODE and "updated parameters (bucket)" in n.name]
+    buckets = sum(len(g) for _, g in cluster.param_gathers[0])
+    assert gathers and len(gathers) == buckets
+    optimizer = next(n for n in nodes if n.name == "optimizer step (Adam)")
+    assert all(g.id in ancestors[optimizer.id] for g in gathers)
+    assert not any(n.id > optimizer.id and n.type == COMM_COLL_NODE for n in nodes)
+    first_forward = next(n for n in nodes if n.type == COMP_NODE and n.name.startswith("mb0 "))
+    assert gathers[0].id in ancestors[first_forward.id]
