@@ -101,6 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--device", default="h100-sxm",
                       help="device profile, or several comma-separated to compare them (default h100-sxm)")
     plan.add_argument("--topology", default=None, metavar="KEY=VALUE,...", help=TOPOLOGY_HELP)
+    plan.add_argument("--tp-comm-overlap", action="store_true",
+                      help="layouts with tp > 1 overlap their blocks' TP collectives with the GEMMs (Transformer "
+                           "Engine's userbuffers, on in NeMo's recipes; default: blocking)")
     plan.add_argument("--overlap-param-gather", action="store_true",
                       help="ZeRO 1/2 layouts overlap their parameter all-gathers with the next forward (Megatron-LM's "
                            "--overlap-param-gather, on in NeMo's recipes; default: after the optimizer)")
@@ -219,6 +222,11 @@ def _add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
                        help="with --fp8 and --zero 1-3: ZeRO's parameter all-gathers move the FP8 linear weights in "
                             "FP8, one byte each (Megatron-LM's --fp8-param-gather, which under ZeRO 1/2 also keeps "
                             "those weights in FP8; torchao's FSDP2 float8 all-gather under ZeRO 3)")
+    group.add_argument("--tp-comm-overlap", action="store_true",
+                       help="with --tp > 1 and --sp: each decoder block's all-gathers and reduce-scatters run beside "
+                            "the GEMMs they feed or follow (Transformer Engine's userbuffers: Megatron-LM's "
+                            "--tp-comm-overlap; torch's AsyncTP); only what outlasts the GEMMs, and at least one "
+                            "chunk's transfer, is exposed (default: blocking)")
     group.add_argument("--overlap-param-gather", action="store_true",
                        help="with --zero 1 or 2: the updated parameters' all-gathers run bucket by bucket under the next "
                             "step's first forward, each waited for where it is first needed (Megatron-LM's "
@@ -242,7 +250,8 @@ def _parallel(args):
                     recompute_layers=args.recompute_layers, vpp=args.vpp,
                     reshard_after_forward=not args.keep_gathered,
                     overlap_grad_reduce=not args.grad_reduce_after_backward,
-                    overlap_param_gather=args.overlap_param_gather, fp8_param_gather=args.fp8_param_gather)
+                    overlap_param_gather=args.overlap_param_gather, tp_comm_overlap=args.tp_comm_overlap,
+                    fp8_param_gather=args.fp8_param_gather)
 
 
 def _formats(text: str) -> list[str]:
@@ -420,12 +429,13 @@ def run_plan(args) -> int:
     result = plan(args.model, gpus=args.gpus, global_batch=args.global_batch, seq=args.seq, device=args.device,
                   dtype=args.dtype, workers=args.workers, ray=args.ray, progress=True, stack=args.stack,
                   cp=_degrees(args.cp, "--cp"), fp8=args.fp8, topology=args.topology,
-                  overlap_param_gather=args.overlap_param_gather)
+                  overlap_param_gather=args.overlap_param_gather, tp_comm_overlap=args.tp_comm_overlap)
     text = plan_text(result, args.top)
     out = args.out or Path("outputs") / f"{result['model']}-plan-{args.gpus}"
     return _publish(out, text, {"plan.json": json.dumps(result, indent=1, sort_keys=True) + "\n", "plan.txt": text},
                     {k: result[k] for k in ("model", "gpus", "global_batch", "seq", "dtype", "fp8", "device", "stack",
-                                            "cp", "topology", "overlap_param_gather") if k in result})
+                                            "cp", "topology", "overlap_param_gather", "tp_comm_overlap")
+                     if k in result})
 
 
 def _degrees(text: str, option: str) -> tuple[int, ...]:

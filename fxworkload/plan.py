@@ -58,10 +58,11 @@ class Shape:
 
 def candidate_layouts(gpus: int, global_batch: int, facts, gpus_per_node: int,
                       seq: int | None = None, cps: tuple[int, ...] = (1,),
-                      overlap_param_gather: bool = False) -> tuple[dict, dict[str, int]]:
+                      overlap_param_gather: bool = False, tp_comm_overlap: bool = False) -> tuple[dict, dict[str, int]]:
     """Shape -> its layouts (Parallel), and how many combinations each rule turned away. With ``seq``,
     a tp whose sequence parallelism cannot split the sequence is turned away too. ``overlap_param_gather``:
-    every ZeRO 1/2 layout overlaps its parameter gathers with the next forward (Megatron-LM's flag)."""
+    every ZeRO 1/2 layout overlaps its parameter gathers with the next forward (Megatron-LM's flag);
+    ``tp_comm_overlap``: every layout with tp > 1 overlaps its blocks' TP collectives with their GEMMs."""
     from .parallel.layout import Parallel
 
     dropped = {"tp does not divide the heads or exceeds a node": 0,
@@ -105,7 +106,8 @@ def candidate_layouts(gpus: int, global_batch: int, facts, gpus_per_node: int,
                 groups.setdefault(Shape(tp, ep, b, cp), []).append(Parallel(
                     dp=dp, tp=tp, pp=pp, ep=ep, cp=cp, sp=tp > 1, micro_batches=m, zero=zero, recompute=recompute,
                     vpp=vpp, vocab_multiple=vocab_multiple, pp_layers=pp_layers,
-                    overlap_param_gather=overlap_param_gather and zero in (1, 2)))
+                    overlap_param_gather=overlap_param_gather and zero in (1, 2),
+                    tp_comm_overlap=tp_comm_overlap and tp > 1))
     return groups, dropped
 
 
@@ -242,11 +244,12 @@ def _parts_ms(step) -> dict[str, float]:
 def plan(model: str, gpus: int, global_batch: int, seq: int, device: str = "h100-sxm", dtype: str = "bf16",
          workers: int | None = None, ray: str | None = None, progress: bool = False, stack: str = "eager",
          cp: tuple[int, ...] = (1,), fp8: bool = False, topology: str | None = None,
-         overlap_param_gather: bool = False) -> dict:
+         overlap_param_gather: bool = False, tp_comm_overlap: bool = False) -> dict:
     """``device``: one profile name or several, comma-separated (every layout is evaluated on each);
     ``cp``: the context-parallel degrees to search; ``fp8``: every layout trains in FP8 (workload/fp8.py);
     ``topology``: ``--topology key=value,...`` over each device's own network (cost/topology.py);
-    ``overlap_param_gather``: ZeRO 1/2 layouts overlap their parameter gathers with the next forward."""
+    ``overlap_param_gather``: ZeRO 1/2 layouts overlap their parameter gathers with the next forward;
+    ``tp_comm_overlap``: layouts with tp > 1 overlap their blocks' TP collectives with the GEMMs."""
     from .workload.stacks import check_stack
 
     check_plan_counts(gpus, global_batch)
@@ -262,13 +265,14 @@ def plan(model: str, gpus: int, global_batch: int, seq: int, device: str = "h100
         early = (stack_of_resources.enter_context(_pool(workers or os.cpu_count() or 1))
                  if ray is None and not _facts_cached(model, dtype) else None)
         result = _plan(model, gpus, global_batch, seq, dtype, workers, ray, progress, stack, cps, fp8, profiles, early,
-                       topology, overlap_param_gather)
+                       topology, (overlap_param_gather, tp_comm_overlap))
     return result | ({"topology": topology} if topology else {}) | (
-        {"overlap_param_gather": True} if overlap_param_gather else {})
+        {"overlap_param_gather": True} if overlap_param_gather else {}) | (
+        {"tp_comm_overlap": True} if tp_comm_overlap else {})
 
 
 def _plan(model, gpus, global_batch, seq, dtype, workers, ray, progress, stack, cps, fp8, profiles, early,
-          topology=None, overlap_param_gather=False) -> dict:
+          topology=None, overlaps=(False, False)) -> dict:
     if early is not None:
         facts = early.apply(_facts, (model, dtype))
     else:
@@ -280,7 +284,7 @@ def _plan(model, gpus, global_batch, seq, dtype, workers, ray, progress, stack, 
     groups, dropped = {}, {}
     for profile in profiles:
         found, turned = candidate_layouts(gpus, global_batch, facts, profile.gpus_per_node, seq, cps,
-                                          overlap_param_gather)
+                                          *overlaps)
         groups.update({(profile.name, shape): layouts for shape, layouts in found.items()})
         dropped = {why: dropped.get(why, 0) + count for why, count in turned.items()}
     if not groups:

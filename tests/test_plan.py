@@ -374,22 +374,25 @@ def test_plan_refuses_a_bad_topology_in_one_line(four_layers, tmp_path, value, s
     assert len(run.stderr.strip().splitlines()) == 1 and not (tmp_path / "p").exists()
 
 
-def test_plan_overlap_param_gather_hides_zero_1_and_2_gathers(four_layers, tmp_path):
-    """plan --overlap-param-gather: every ZeRO 1/2 layout owes no more for its parameter gathers than without it
-    (the same layout, its gathers moved under the next forward), ZeRO 0 and 3 layouts are unchanged."""
+@pytest.mark.parametrize("flag, key, applies", [
+    ("--overlap-param-gather", "overlap_param_gather", lambda r: r["zero"] in (1, 2) and r["dp"] > 1),
+    ("--tp-comm-overlap", "tp_comm_overlap", lambda r: r["tp"] > 1)])
+def test_plan_overlap_options_hide_what_they_overlap(four_layers, tmp_path, flag, key, applies):
+    """plan --overlap-param-gather (ZeRO 1/2 layouts) and --tp-comm-overlap (tp > 1): each layout they apply to
+    costs no more than without (the same layout, its collectives moved beside compute), the others the same."""
     runs = {}
-    for name, extra in (("after", ()), ("overlapped", ("--overlap-param-gather",))):
+    for name, extra in (("plain", ()), ("overlapped", (flag,))):
         run = fxworkload("plan", four_layers, "--gpus", 8, "--global-batch", 16, "--seq", 16, "--workers", 1,
                          "--out", tmp_path / name, "--top", 0, *extra)
         assert run.returncode == 0, run.stderr
         runs[name] = json.loads((tmp_path / name / "plan.json").read_text())
-    assert runs["overlapped"]["overlap_param_gather"] is True and "overlap_param_gather" not in runs["after"]
-    key = lambda r: tuple(r[k] for k in ("tp", "pp", "dp", "zero", "recompute", "micro_batch", "vpp"))  # noqa: E731
-    after = {key(r): r for r in runs["after"]["ranked"]}
-    pairs = [(r, after[key(r)]) for r in runs["overlapped"]["ranked"] if key(r) in after]
-    assert any(r["zero"] in (1, 2) and r["dp"] > 1 for r, _ in pairs)
-    for overlapped, plain in pairs:
-        if overlapped["zero"] in (1, 2):
-            assert overlapped["step_ms"] <= plain["step_ms"] + 1e-9
+    assert runs["overlapped"][key] is True and key not in runs["plain"]
+    fields = lambda r: tuple(r[k] for k in ("tp", "pp", "dp", "zero", "recompute", "micro_batch", "vpp"))  # noqa: E731
+    plain = {fields(r): r for r in runs["plain"]["ranked"]}
+    pairs = [(r, plain[fields(r)]) for r in runs["overlapped"]["ranked"] if fields(r) in plain]
+    assert any(applies(r) for r, _ in pairs)
+    for overlapped, alone in pairs:
+        if applies(overlapped):
+            assert overlapped["step_ms"] <= alone["step_ms"] + 1e-9
         else:
-            assert overlapped["step_ms"] == plain["step_ms"]
+            assert overlapped["step_ms"] == alone["step_ms"]

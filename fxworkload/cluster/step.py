@@ -369,15 +369,23 @@ def _comms_ns(unit: Unit, phase: str, p: Parallel, device: DeviceProfile) -> flo
 def exposed_comms_ns(unit: Unit, phase: str, p: Parallel, device: DeviceProfile) -> dict[str, float]:
     """Per group, the time a unit's pass of ``phase`` waits on its collectives: the blocking ones whole;
     those overlapped with the unit's attention core (CP's ring: in backward its key/value steps and the
-    key/value gradients' both run beside the one core, on the same links) what their sum outlasts it by."""
+    key/value gradients' both run beside the one core, on the same links) what their sum outlasts it by;
+    tensor-parallel ones overlapped with the unit's GEMMs (--tp-comm-overlap) what they outlast those by,
+    and at least one of the tp chunks they are pipelined in (Transformer Engine's userbuffers split an
+    all-gather + GEMM or GEMM + reduce-scatter into tp steps: the first chunk's transfer, or the last's,
+    has no GEMM beside it)."""
     out: dict[str, float] = {}
     overlapped: dict[str, float] = {}
     for c in unit.comms[phase]:
         into = overlapped if c.overlapped else out
         into[c.group] = into.get(c.group, 0.0) + comm_ns(c, p, device)
-    if overlapped:
-        core = sum(unit.core_ns[ph] for ph in ((FORWARD,) if phase == FORWARD else (INPUT_GRAD, WEIGHT_GRAD)))
-        for group, ns in overlapped.items():
+    phases = (FORWARD,) if phase == FORWARD else (INPUT_GRAD, WEIGHT_GRAD)
+    for group, ns in overlapped.items():
+        if group == "tp":
+            gemm = sum(op.estimated_ns for ph in phases for op in unit.ops(ph) if op.kind == "matmul")
+            out[group] = out.get(group, 0.0) + max(ns / p.tp, ns - gemm)
+        else:
+            core = sum(unit.core_ns[ph] for ph in phases)
             out[group] = out.get(group, 0.0) + max(ns - core, 0.0)
     return out
 

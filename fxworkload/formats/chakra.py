@@ -249,10 +249,12 @@ def _unit_nodes(b: _Builder, pb, unit, forward: bool, mb: int, p, cluster, compl
     """One unit's pass: CP's ring beside its compute, its compute, then its blocking collectives."""
     from ..cluster.network import comm_ns
 
-    # CP's ring: beside the block's compute, which the chain's next node waits for too; in backward its
-    # two collectives share the ring's links, one after the other (the cluster step adds them up)
+    # CP's ring and --tp-comm-overlap's collectives: beside the block's compute, which the chain's next node waits
+    # for too; in backward the ring's two collectives share its links, one after the other (the cluster step adds
+    # them up); a blocking CP all-gather runs before the compute, the blocking TP/EP collectives after it
     beside = []
-    for comm in (c for c in unit.comms[FORWARD if forward else INPUT_GRAD] if c.group == "cp"):
+    comms = unit.comms[FORWARD if forward else INPUT_GRAD]
+    for comm in (c for c in comms if c.overlapped or c.group == "cp"):
         name = f"mb{mb} {unit.name} {comm.type} {comm.group} ({comm.what})"
         if comm.overlapped:
             beside.append(b.collective(name, comm, comm_ns(comm, p, cluster.profile), deps=beside[-1:] or b.last))
@@ -264,7 +266,7 @@ def _unit_nodes(b: _Builder, pb, unit, forward: bool, mb: int, p, cluster, compl
         if not forward:
             completes[id(unit)] = node
     b.last = [*b.last, *beside]
-    for comm in (c for c in unit.comms[FORWARD if forward else INPUT_GRAD] if c.group != "cp"):
+    for comm in (c for c in comms if c.group != "cp" and not c.overlapped):
         b.collective(f"mb{mb} {unit.name} {comm.type} {comm.group}", comm, comm_ns(comm, p, cluster.profile))
 
 

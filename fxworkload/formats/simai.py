@@ -111,7 +111,7 @@ def step_units(rank: RankWorkload) -> list[Unit]:
 
 
 def _rows(unit: Unit, p, device) -> list[SimaiRow]:
-    comms = [[c for c in unit.comms[phase] if c.group != "cp"] for phase in PHASES]
+    comms = [[c for c in unit.comms[phase] if c.group != "cp" and not c.overlapped] for phase in PHASES]
     folded = [_context_parallel_ns(unit, phase, p, device) for phase in PHASES]
     name = EMBEDDING_ROW if unit.block == EMBEDDING else unit.name
     rows = []
@@ -124,10 +124,12 @@ def _rows(unit: Unit, p, device) -> list[SimaiRow]:
 
 
 def _context_parallel_ns(unit: Unit, phase: str, p, device) -> float:
+    """What CP's exchanges and the overlapped TP collectives (--tp-comm-overlap) expose, folded into compute:
+    SimAI has no CP group, and would run an overlapped TP collective as a blocking one."""
     from ..cluster.step import exposed_comms_ns
 
-    cp_only = replace(unit, comms={phase: [c for c in unit.comms[phase] if c.group == "cp"]})
-    return exposed_comms_ns(cp_only, phase, p, device).get("cp", 0.0) if cp_only.comms[phase] else 0.0
+    folded = replace(unit, comms={phase: [c for c in unit.comms[phase] if c.group == "cp" or c.overlapped]})
+    return sum(exposed_comms_ns(folded, phase, p, device).values()) if folded.comms[phase] else 0.0
 
 
 def text(workload: SimaiWorkload) -> str:

@@ -45,6 +45,9 @@ def add_model_parallel(units: list[Unit], p: Parallel, micro_batch: int, seq: in
     tokens = micro_batch * seq // (p.tp if p.sp else 1)
     cp_forward, cp_backward = cp_comms(p, rank_kv_bytes)
     tp_comms = _tp_comms(p, act, micro_batch * seq * LOSS_BYTES_PER_TOKEN) if p.tp > 1 else {}
+    if p.tp_comm_overlap:  # the decoder blocks' linear layers overlap their collectives (userbuffers)
+        forward, backward = tp_comms[None]
+        tp_comms[None] = ([replace(c, overlapped=True) for c in forward], [replace(c, overlapped=True) for c in backward])
     routed = tokens * top_k * hidden * act_itemsize
     ep_comms = [[Comm(ALLTOALL, "ep", routed, f"token {what} ({phase})") for what in ("dispatch", "combine")]
                 for phase in ("forward", "backward")] if p.ep > 1 else None

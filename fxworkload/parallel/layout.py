@@ -33,6 +33,9 @@ class Parallel:
     # under the next step's first forward, each bucket's waited for by the first module that needs it
     # (Megatron-LM's --overlap-param-gather); False: they run after the optimizer, before the next step
     overlap_param_gather: bool = False
+    # tensor-parallel communication overlapped with the GEMMs beside it (Transformer Engine's userbuffers, on in
+    # NeMo's recipes: Megatron-LM's --tp-comm-overlap; torch's AsyncTP does the same with symmetric memory)
+    tp_comm_overlap: bool = False
     # context parallelism: the sequence split over cp ranks in 2·cp load-balanced chunks (rank r holds
     # chunks r and 2cp-1-r of the causal sequence); keys and values exchanged by a ring of point-to-point
     # steps overlapped with attention (Megatron-Core, "p2p") or one all-gather before it (Llama 3, "allgather")
@@ -84,6 +87,9 @@ def check_values(parallel: Parallel) -> None:
                         f"{MAX_BUCKET_MB:,} MiB, got {p.bucket_mb}")
     if not p.reshard_after_forward and p.zero != 3:
         raise UserError("--keep-gathered keeps ZeRO 3's gathered parameters: it needs --zero 3")
+    if p.tp_comm_overlap and not (p.tp > 1 and p.sp):
+        raise UserError("--tp-comm-overlap overlaps sequence parallelism's all-gathers and reduce-scatters with the "
+                        "GEMMs beside them: it needs --tp 2 or more and --sp (Transformer Engine requires both)")
     if p.overlap_param_gather and p.zero not in (1, 2):
         raise UserError("--overlap-param-gather overlaps ZeRO 1/2's parameter all-gathers with the next forward: "
                         "it needs --zero 1 or 2 (ZeRO 3 gathers beside every pass already)")

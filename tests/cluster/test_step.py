@@ -177,3 +177,40 @@ def test_overlap_param_gather_needs_zero_1_or_2(tiny_dirs):
 
     with pytest.raises(UserError, match="needs --zero 1 or 2"):
         extract(str(tiny_dirs["llama"]), seq=16, device="h100-sxm", parallel=Parallel(dp=2, overlap_param_gather=True))
+
+
+def test_tp_comm_overlap_exposes_what_outlasts_the_gemms_and_one_chunk(tiny_dirs):
+    """--tp-comm-overlap (Transformer Engine's userbuffers): a decoder block's sequence-parallel all-gathers and
+    reduce-scatters run beside its GEMMs, pipelined in tp chunks: the pass waits for what outlasts the GEMMs,
+    and at least one chunk's transfer (1/tp of it). By hand on each block unit, forward and backward; the
+    embedding's and the head's collectives stay blocking."""
+    from fxworkload.capture.trace import FORWARD, INPUT_GRAD, WEIGHT_GRAD
+    from fxworkload.cluster.network import comm_ns
+    from fxworkload.cluster.step import exposed_comms_ns
+
+    def run(overlap):
+        return extract(str(tiny_dirs["llama"]), batch=2, seq=64, device="h100-sxm",
+                       parallel=Parallel(tp=2, sp=True, micro_batches=2, tp_comm_overlap=overlap))
+
+    plain, overlapped = run(False), run(True)
+    p = overlapped.rank.parallel
+    blocks = [u for u in overlapped.rank.units if u.layer is not None]
+    assert blocks
+    for unit in blocks:
+        for phase, gemm_phases in ((FORWARD, (FORWARD,)), (INPUT_GRAD, (INPUT_GRAD, WEIGHT_GRAD))):
+            comms = [c for c in unit.comms[phase] if c.group == "tp"]
+            assert comms and all(c.overlapped for c in comms)
+            total = sum(comm_ns(c, p, overlapped.device) for c in comms)
+            gemm = sum(op.estimated_ns for ph in gemm_phases for op in unit.ops(ph) if op.kind == "matmul")
+            assert exposed_comms_ns(unit, phase, p, overlapped.device)["tp"] == pytest.approx(max(total / 2, total - gemm))
+    assert not any(c.overlapped for u in overlapped.rank.units if u.layer is None for ph in (FORWARD, INPUT_GRAD)
+                   for c in u.comms[ph])
+    assert overlapped.cluster.exposed_ns["tp"] < plain.cluster.exposed_ns["tp"]
+    assert overlapped.cluster.step_ns < plain.cluster.step_ns
+
+
+def test_tp_comm_overlap_needs_tp_and_sp(tiny_dirs):
+    from fxworkload.errors import UserError
+
+    with pytest.raises(UserError, match="needs --tp 2 or more and --sp"):
+        extract(str(tiny_dirs["llama"]), seq=16, device="h100-sxm", parallel=Parallel(tp=2, tp_comm_overlap=True))

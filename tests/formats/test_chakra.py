@@ -346,3 +346,23 @@ def test_overlapped_parameter_gathers_open_the_step_in_the_chakra_trace(tiny_dir
     assert not any(n.id > optimizer.id and n.type == COMM_COLL_NODE for n in nodes)
     first_forward = next(n for n in nodes if n.type == COMP_NODE and n.name.startswith("mb0 "))
     assert gathers[0].id in ancestors[first_forward.id]
+
+
+def test_overlapped_tp_collectives_run_beside_their_blocks_compute(tiny_dirs, tmp_path_factory):
+    """--tp-comm-overlap: a block's tensor-parallel collectives do not wait for its compute (they run beside it,
+    as userbuffers overlap them with the GEMMs) and the chain's next node waits for them; the head's stay
+    blocking, after its compute."""
+    out, _ = _write(tiny_dirs, tmp_path_factory, "llama", dict(tp=2, sp=True, micro_batches=2, tp_comm_overlap=True))
+    nodes = read(out / "workload.0.et")
+    ancestors = _ancestors(nodes)
+    by_name = {n.name: n for n in nodes}
+    overlapped = [n for n in nodes if n.type == COMM_COLL_NODE and " tp (" in n.name and "layer" in n.name]
+    assert overlapped
+    for comm in overlapped:
+        mb, unit = comm.name.split()[:2]
+        own = by_name[f"{mb} {unit} {'input_grad' if 'gradient' in comm.name else 'forward'}"]
+        assert own.id not in ancestors[comm.id]  # beside the block's compute, not after it
+        assert any(comm.id in ancestors[n.id] for n in nodes if n.id > comm.id and n.type == COMP_NODE)
+    head = [n for n in nodes if n.type == COMM_COLL_NODE and n.name.split()[1] == "head" and " tp" in n.name]
+    assert head and all(by_name[f"{n.name.split()[0]} head forward"].id in ancestors[n.id]
+                        for n in head if f"{n.name.split()[0]} head forward" in by_name and "gradient" not in n.name)

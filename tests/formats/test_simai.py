@@ -300,3 +300,20 @@ def test_keep_gathered_changes_the_files_as_it_changes_the_step(tiny_dirs):
     assert kept.cluster.step_ns < plain.cluster.step_ns
     count = lambda r: r.files(["simai"])["workload.simai.txt"].count("ALLGATHER")  # noqa: E731
     assert count(kept) * 2 == count(plain)
+
+
+def test_overlapped_tp_collectives_are_folded_into_simai_compute(tiny_dirs):
+    """SimAI would run a TP collective as a blocking one (Workload.cc): with --tp-comm-overlap a block row carries
+    no TP collective, and its compute holds what the collectives expose (cluster.step.exposed_comms_ns)."""
+    from fxworkload.cluster.step import exposed_comms_ns
+
+    result = extract(str(tiny_dirs["llama"]), batch=2, seq=64, device="h100-sxm",
+                     parallel=Parallel(tp=2, sp=True, tp_comm_overlap=True))
+    rows = {r.name: r for r in from_rank(result.rank, result.device).rows}
+    p = result.rank.parallel
+    for unit in (u for u in result.rank.units if u.layer is not None):
+        row = rows[unit.name]
+        assert (row.forward_comm, row.input_grad_comm) == ("NONE", "NONE")
+        exposed = exposed_comms_ns(unit, FORWARD, p, result.device)["tp"]
+        assert row.forward_ns == round(unit.ns(FORWARD) + exposed)
+    assert rows["head"].forward_comm != "NONE"  # the head's vocabulary-parallel collectives stay blocking
