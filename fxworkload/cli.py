@@ -477,7 +477,7 @@ def run_calibrate(args) -> int:
     if args.on == "cuda":
         say("no shipped datasheet profile matches this GPU (pass --like PROFILE to fit one's GPU model): "
             "measuring its rates instead")
-    profile, problems = measure_checked(args.on, name, progress=say)
+    profile, problems = measure_checked(args.on, name, progress=say, refuse_early=not args.force)
     if problems and not args.force:
         raise Refused(f"the measurement is not to be trusted, so no profile was saved: {'; '.join(problems)}; "
                       "run it again on a quiet machine, or pass --force to save it anyway")

@@ -44,3 +44,17 @@ def check_count(option: str, value, limit: int, hint: str = "check it") -> None:
         raise UserError(f"{option} must be a positive integer, got {value}")
     if value > limit:
         raise UserError(f"{option} {value:,} exceeds {limit:,}, more than any real run; {hint}")
+
+
+SUM_OF_OPS_TOLERANCE = 0.25  # the ops' medians and the eager step disagree by more: the timings are not to be trusted
+
+
+def sum_of_ops_warning(totals: dict) -> str | None:
+    """On a CPU (no profiler timer) each op's median is a wall time of its own: their sum should be near the
+    eager step's; far off, something else ran beside the timing, or the clock timer's per-op cost dominates."""
+    ops, eager = totals["step_measured_ns"], totals["eager_step_ns"]
+    if "kernel_check" in totals or not eager or abs(ops / eager - 1) <= SUM_OF_OPS_TOLERANCE:
+        return None
+    return (f"WARNING: the ops' medians add up to {ops / 1e6:.1f} ms but the eager step took {eager / 1e6:.1f} ms "
+            f"({ops / eager - 1:+.0%}): the op timings are not to be trusted (other work on the machine, or ops "
+            "too small for the clock); profile again on a quiet machine, or with more --repeat")

@@ -9,6 +9,7 @@ from dataclasses import asdict, fields
 from tabulate import tabulate
 
 from ..capture.trace import PHASES
+from ..limits import SUM_OF_OPS_TOLERANCE, sum_of_ops_warning  # noqa: F401 (re-exported: profile's check)
 from ..workload.stacks import STACKS
 from ..workload.table import GradRow, NodeRow, OpCost, Workload
 
@@ -286,20 +287,6 @@ def measured_summary_text(measurement) -> str:
     if warning:
         parts.append(warning)
     return "\n\n".join(parts) + "\n"
-
-
-SUM_OF_OPS_TOLERANCE = 0.25  # the ops' medians and the eager step disagree by more: the timings are not to be trusted
-
-
-def sum_of_ops_warning(totals: dict) -> str | None:
-    """On a CPU (no profiler timer) each op's median is a wall time of its own: their sum should be near the
-    eager step's; far off, something else ran beside the timing, or the clock timer's per-op cost dominates."""
-    ops, eager = totals["step_measured_ns"], totals["eager_step_ns"]
-    if "kernel_check" in totals or not eager or abs(ops / eager - 1) <= SUM_OF_OPS_TOLERANCE:
-        return None
-    return (f"WARNING: the ops' medians add up to {ops / 1e6:.1f} ms but the eager step took {eager / 1e6:.1f} ms "
-            f"({ops / eager - 1:+.0%}): the op timings are not to be trusted (other work on the machine, or ops "
-            "too small for the clock); profile again on a quiet machine, or with more --repeat")
 
 
 def kernel_check_text(check: dict) -> str:

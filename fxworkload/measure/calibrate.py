@@ -92,13 +92,19 @@ MAX_SLOWER_SMALLER = 2.0
 MAX_ADD_MISMATCH = 5.0
 
 
-def measure_checked(on: str = "cpu", name: str = "cpu", progress=lambda text: None) -> tuple[DeviceProfile, list[str]]:
+def measure_checked(on: str = "cpu", name: str = "cpu", progress=lambda text: None,
+                    refuse_early: bool = False) -> tuple[DeviceProfile | None, list[str]]:
     """``measure``, with what says whether to trust it: the machine's share of CPU time during the run, a
     reference GEMM and the per-op overhead timed before and after, and the shapes of the measured
-    curves. Returns the profile and the reasons not to trust it (none: trusted)."""
+    curves. Returns the profile and the reasons not to trust it (none: trusted). ``refuse_early``: a CPU
+    already shared when the first reference GEMM runs (a second in) is refused then, with no profile
+    (None), instead of after the minutes the measurement takes."""
     clock = Clock(device_for(on))
     reference = _reference(clock)
     load = _load()
+    if refuse_early and clock.device.type == "cpu" and reference[2] < MIN_CPU_SHARE:
+        return None, [f"the process got {reference[2]:.0%} of the CPU its {torch.get_num_threads()} threads could "
+                      f"use before measuring (other work is running: load {load:.1f} on {os.cpu_count()} cores)"]
     profile = measure(on, name, progress)
     again = _reference(clock)
     problems = []

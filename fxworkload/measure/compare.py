@@ -57,6 +57,7 @@ class Comparison:
     measured_settings: dict
     step_peak_bytes: tuple[int | None, int | None] = (None, None)  # estimated, measured (GPU runs only)
     trace: dict | None = None  # a profiler trace's totals: attributed_fraction, unattributed_ns, ...
+    measured_warning: str | None = None  # why the measured op timings are not to be trusted (profile's own check)
 
 
 def load_document(path: Path, expected_name: str) -> dict:
@@ -205,7 +206,16 @@ def compare(estimated: dict, measured: dict) -> Comparison:
         step_peak_bytes=(estimated.get("totals", {}).get("step_peak_bytes"),
                          measured.get("totals", {}).get("step_peak_bytes")),
         estimated_settings=estimated.get("settings", {}), measured_settings=measured.get("settings", {}),
-        trace=measured.get("trace"))
+        trace=measured.get("trace"), measured_warning=_measured_warning(measured.get("totals", {})))
+
+
+def _measured_warning(totals: dict) -> str | None:
+    """profile's own check of its timings (the ops' medians against the eager step), read back from measured.json."""
+    from ..limits import sum_of_ops_warning
+
+    if not (_is_time(totals.get("step_measured_ns")) and _is_time(totals.get("eager_step_ns"))):
+        return None
+    return sum_of_ops_warning(totals)
 
 
 def _node_rows(document: dict) -> list[dict]:
@@ -312,6 +322,10 @@ def report_text(comparison: Comparison, top: int = 15) -> str:
                      "the phase totals above but in no op pair below; extract with the measurement's device and "
                      "--trace-on to pair them")
     notes += _trace_notes(comparison.trace, e_settings)
+    if comparison.measured_warning:  # the verdict first: the errors above compare with noise
+        notes.insert(0, "VERDICT: not a comparison: the measured side failed its own check ("
+                     + comparison.measured_warning.removeprefix("WARNING: ") + "); the errors above are that noise, "
+                     "not the estimate's")
     kinds = [[k["kind"], k["count"], f"{k['estimated_ns'] / 1e6:.3f}", f"{k['measured_ns'] / 1e6:.3f}",
               _pct(k["median_abs_error"])] for k in kind_summary(comparison)]
     longest = sorted(comparison.pairs, key=lambda p: p.measured_ns, reverse=True)
@@ -379,7 +393,7 @@ def comparison_json(comparison: Comparison) -> str:
         "phases": overall(comparison), "kinds": kind_summary(comparison),
         "time_weighted_error": time_weighted_error(comparison), "unpaired_ops": comparison.unpaired_ops,
         "attributed_fraction": trace.get("attributed_fraction"), "trace": trace or None,
-        "nodes": list(rows.values()), "ops": pairs}
+        "measured_warning": comparison.measured_warning, "nodes": list(rows.values()), "ops": pairs}
     return json.dumps(document, indent=1, sort_keys=True) + "\n"
 
 

@@ -42,13 +42,14 @@ def test_an_add_rate_the_bandwidth_cannot_explain_is_named():
 def test_a_busy_machine_is_refused_with_its_reasons_and_nothing_saved(monkeypatch, tmp_path):
     monkeypatch.setenv("FXWORKLOAD_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(calibrate, "measure", lambda on, name, progress: _profile(name=name))
-    readings = iter([(1_000_000.0, 5_000.0, 0.5), (1_300_000.0, 5_100.0, 0.5)])  # before, after: half the CPU
+    # before (the machine its own), after (half the CPU, the GEMM 30 % slower): the measurement ran, then failed
+    readings = iter([(1_000_000.0, 5_000.0, 1.0), (1_300_000.0, 5_100.0, 0.5)])
     monkeypatch.setattr(calibrate, "_reference", lambda clock: next(readings))
     run = in_process("calibrate")
     assert run.returncode == 1 and "not to be trusted, so no profile was saved" in run.stderr
     assert "got 50% of the CPU" in run.stderr and "(+30%)" in run.stderr and "--force" in run.stderr
     assert not devices.measured_path("cpu").exists()
-    readings = iter([(1_000_000.0, 5_000.0, 0.5), (1_300_000.0, 5_100.0, 0.5)])
+    readings = iter([(1_000_000.0, 5_000.0, 0.5), (1_300_000.0, 5_100.0, 0.5)])  # shared from the start: --force
     run = in_process("calibrate", "--force")
     assert run.returncode == 0 and devices.measured_path("cpu").exists() and "warning (saved with --force)" in run.stderr
 
@@ -68,3 +69,15 @@ def test_profile_warns_when_its_ops_and_the_eager_step_disagree(ops_ms, eager_ms
     totals = {"step_measured_ns": ops_ms * 1e6, "eager_step_ns": eager_ms * 1e6}
     assert (sum_of_ops_warning(totals) is not None) == warns
     assert sum_of_ops_warning({**totals, "kernel_check": {}}) is None  # a profiler's kernels: no such check
+
+
+def test_calibrate_on_a_shared_cpu_refuses_before_measuring(monkeypatch):
+    """Issue 40: calibrate worked 238 s on a busy machine before refusing. When the first reference GEMM (a
+    second in) already got less than MIN_CPU_SHARE of the CPU, it refuses then, without the measurement."""
+    monkeypatch.setattr(calibrate, "_reference", lambda clock: (1e6, 1e3, 0.4))
+    monkeypatch.setattr(calibrate, "measure", lambda *a, **k: pytest.fail("measured on a shared CPU"))
+    run = in_process("calibrate")
+    assert run.returncode != 0 and "got 40% of the CPU" in run.stderr and "before measuring" in run.stderr
+    assert "--force" in run.stderr and len(run.stderr.strip().splitlines()) == 1
+    profile, problems = calibrate.measure_checked("cpu", "cpu", refuse_early=True)
+    assert profile is None and problems

@@ -252,3 +252,21 @@ def test_a_measured_step_peak_is_set_beside_the_estimate(tiny_dirs, measured_gpt
     line = next(x for x in report_text(compare(estimated, measured)).splitlines() if x.startswith("step peak memory"))
     assert line == (f"step peak memory: estimated {ours / 2 ** 20:.1f} MiB, measured 2.0 MiB (max_memory_allocated), "
                     f"{100 * (ours - 2 * 2 ** 20) / (2 * 2 ** 20):+.1f}%")
+
+
+def test_compare_gives_a_verdict_when_the_measurement_failed_its_own_check(tiny_dirs, measured_gpt2):
+    """Issue 40: on a busy machine compare printed step +301 % with no caveat. When measured.json's ops add up to
+    far more than its eager step (profile's own check, formats/tables.sum_of_ops_warning), the report opens its
+    notes with a verdict that the errors are that noise, and comparison.json carries the reason."""
+    from fxworkload.measure.compare import comparison_json, report_text
+
+    estimated, measured = _documents(tiny_dirs, measured_gpt2)
+    measured["totals"]["eager_step_ns"] = measured["totals"]["step_measured_ns"]  # the ops add up to the step
+    quiet = compare(estimated, measured)
+    measured["totals"]["eager_step_ns"] = measured["totals"]["step_measured_ns"] / 4  # ops 4x the step: +300 %
+    busy = compare(estimated, measured)
+    assert quiet.measured_warning is None and "VERDICT" not in report_text(quiet)
+    assert "+300%" in busy.measured_warning
+    text = report_text(busy)
+    assert "VERDICT: not a comparison" in text and text.index("VERDICT") < text.index("time-weighted error")
+    assert json.loads(comparison_json(busy))["measured_warning"] == busy.measured_warning
