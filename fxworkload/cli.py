@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     extract.add_argument("--every-layer", action="store_true",
                          help="trace every decoder layer instead of one layer standing for all identical ones")
     extract.add_argument("--format", default="tables",
-                         help="what to write, comma-separated: tables (workload.tsv, workload.json), "
+                         help="what to write, comma-separated: tables (workload.tsv, nodes.tsv, workload.json), "
                               "simai (workload.simai.txt), chrome-trace (workload.trace.json), chakra (workload.<rank>.et, "
                               "one Chakra execution trace per rank, and workload.comm_groups.json, ASTRA-sim's "
                               "--comm-group-configuration); default tables")

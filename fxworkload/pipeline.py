@@ -100,12 +100,13 @@ class Extraction:
         """File name -> content of each format: tables (workload.tsv, workload.json), simai
         (workload.simai.txt), chrome-trace (workload.trace.json), chakra (workload.<rank>.et each and
         workload.comm_groups.json)."""
-        from .formats.tables import json_text, tsv_text
+        from .formats.tables import json_text, nodes_tsv_text, tsv_text
 
         formats = check_formats(formats)
         files = {}
         if "tables" in formats:
             files["workload.tsv"] = tsv_text(self.workload, self.settings["size_unit"])
+            files["nodes.tsv"] = nodes_tsv_text(self.workload)
             cluster = self.cluster_or_none()
             files["workload.json"] = json_text(self.workload, self.settings, asdict(self.device), self.memory.as_dict(),
                                                None if cluster is None else cluster.as_dict())
@@ -119,6 +120,17 @@ class Extraction:
             from .formats.chakra import chakra_files
             files.update(chakra_files(self.cluster))
         return files
+
+    def to_pandas(self):
+        """The nodes that do work as a pandas DataFrame (formats.tables.node_records: times in ms, FLOPs, bytes),
+        for a notebook; needs pandas (installed with the ``traces`` extra)."""
+        try:
+            import pandas
+        except ImportError:
+            raise UserError("to_pandas needs pandas: pip install pandas (or the 'traces' extra)") from None
+        from .formats.tables import NODE_COLUMNS, node_records
+
+        return pandas.DataFrame(node_records(self.workload), columns=NODE_COLUMNS)
 
     def write(self, out: str | Path, formats=("tables",)) -> list[Path]:
         """Replace the folder ``out`` with these formats' files and a manifest.json; all or none."""

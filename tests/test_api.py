@@ -27,8 +27,8 @@ def test_the_readme_snippet_runs_as_written(tmp_path, monkeypatch, capsys):
     assert f"{result.totals['step_estimated_ns'] / 1e6:.1f} ms per step" in printed
     assert "trainable parameters (one tp 8 / ep 1 shard, all layers)" in printed
     out = tmp_path / "outputs" / "llama-3-70b-tp8-pp8"
-    assert sorted(p.name for p in out.iterdir()) == ["manifest.json", "workload.json", "workload.simai.txt",
-                                                      "workload.tsv"]
+    assert sorted(p.name for p in out.iterdir()) == ["manifest.json", "nodes.tsv", "workload.json",
+                                                      "workload.simai.txt", "workload.tsv"]
     assert json.loads((out / "workload.json").read_text())["totals"] == rank.totals
     assert rank.settings["parallel"]["tp"] == 8 and rank.rank.layers == list(range(0, 10))
 
@@ -38,6 +38,7 @@ def test_api_files_are_the_clis_files(tiny_dirs, tmp_path, capsys):
     assert main(["extract", str(tiny_dirs["llama"]), *args, "--out", str(tmp_path / "cli")]) == 0
     result = fxworkload.extract(str(tiny_dirs["llama"]), seq=16, parallel=fxworkload.Parallel(tp=2, dp=2))
     written = result.write(tmp_path / "api", formats=["tables", "simai"])
-    assert [p.name for p in written] == ["workload.tsv", "workload.json", "workload.simai.txt", "manifest.json"]
+    assert [p.name for p in written] == ["workload.tsv", "nodes.tsv", "workload.json", "workload.simai.txt",
+                                         "manifest.json"]
     for path in written:
         assert path.read_bytes() == (tmp_path / "cli" / path.name).read_bytes()

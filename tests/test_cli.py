@@ -42,7 +42,8 @@ def in_process(*args, cwd=None) -> subprocess.CompletedProcess:
 def test_extract_writes_both_tables_and_a_summary(tiny_dirs, tmp_path):
     run = fxworkload("extract", tiny_dirs["gpt2"], "--batch", 2, "--seq", 16, "--out", tmp_path / "out")
     assert run.returncode == 0, run.stderr
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["manifest.json", "workload.json", "workload.tsv"]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["manifest.json", "nodes.tsv", "workload.json",
+                                                                    "workload.tsv"]
     header = (tmp_path / "out" / "workload.tsv").read_text().splitlines()[0].split("\t")
     assert header == ["name", "forward_compute_time", "forward_comm_type", "forward_comm_size",
                       "backward_compute_time", "backward_comm_type", "backward_comm_size",

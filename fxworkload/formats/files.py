@@ -25,7 +25,7 @@ from ..errors import Refused, UserError, check_signalled, signals_held
 
 MANIFEST = "manifest.json"
 # What fxworkload writes into an output folder: a folder holding only these may be replaced.
-OUR_FILES = frozenset({MANIFEST, "workload.tsv", "workload.json", "workload.simai.txt", "workload.trace.json",
+OUR_FILES = frozenset({MANIFEST, "workload.tsv", "nodes.tsv", "workload.json", "workload.simai.txt", "workload.trace.json",
                        "workload.comm_groups.json",
                        "measured.tsv", "measured.json", "comparison.json", "comparison.txt", "comparison.png",
                        "plan.json", "plan.txt"})

@@ -43,6 +43,40 @@ def tsv_text(workload: Workload, size_unit: str, op_ns: Callable[[OpCost], float
     return "\n".join(lines) + "\n"
 
 
+NODE_COLUMNS = ["name", "module", "op", "kind", "forward_ms", "input_grad_ms", "weight_grad_ms", "forward_flops",
+                "input_grad_flops", "weight_grad_flops", "forward_bytes", "backward_bytes", "saved_bytes",
+                "gradient_bytes"]
+
+
+def node_records(workload: Workload) -> list[dict]:
+    """One record per graph node that does work (FLOPs, bytes moved or time in some phase; views and aliases,
+    which move nothing, are left out), its module's gradient bytes on the node that owns them: the table a user
+    opens first, every figure with its unit in its name."""
+    gradients = {row.module: row.bytes for row in workload.rows if isinstance(row, GradRow)}
+    records = []
+    for row in workload.node_rows:
+        phases = {phase: row.ops(phase) for phase in PHASES}
+        times = {phase: sum(op.estimated_ns for op in ops) for phase, ops in phases.items()}
+        flops = {phase: sum(op.flops for op in ops) for phase, ops in phases.items()}
+        moved = {phase: sum(op.bytes for op in ops) for phase, ops in phases.items()}
+        if not (any(times.values()) or any(flops.values()) or any(moved.values())):
+            continue
+        records.append({"name": row.name, "module": row.module, "op": row.forward.op, "kind": row.forward.kind,
+                        **{f"{phase}_ms": times[phase] / 1e6 for phase in PHASES},
+                        **{f"{phase}_flops": flops[phase] for phase in PHASES},
+                        "forward_bytes": moved["forward"], "backward_bytes": moved["input_grad"] + moved["weight_grad"],
+                        "saved_bytes": row.saved_bytes, "gradient_bytes": gradients.pop(row.module, 0)})
+    return records
+
+
+def nodes_tsv_text(workload: Workload) -> str:
+    """nodes.tsv: ``node_records`` as tab-separated text, times in ms to the ns."""
+    lines = ["\t".join(NODE_COLUMNS)]
+    for record in node_records(workload):
+        lines.append("\t".join(f"{record[c]:.6f}" if c.endswith("_ms") else str(record[c]) for c in NODE_COLUMNS))
+    return "\n".join(lines) + "\n"
+
+
 def phase_ns(row: NodeRow, op_ns: Callable[[OpCost], float]) -> tuple[float, ...]:
     return tuple(sum(map(op_ns, row.ops(phase))) for phase in PHASES)
 

@@ -23,7 +23,7 @@ def test_a_second_run_leaves_no_file_of_the_first(tiny_dirs, tmp_path, capsys):
     out = tmp_path / "out"
     assert _extract(tiny_dirs, out, "--format", "tables,simai,chrome-trace") == 0
     assert _extract(tiny_dirs, out, "--seq", "8") == 0
-    assert sorted(p.name for p in out.iterdir()) == ["manifest.json", "workload.json", "workload.tsv"]
+    assert sorted(p.name for p in out.iterdir()) == ["manifest.json", "nodes.tsv", "workload.json", "workload.tsv"]
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["settings"]["seq"] == 8
     for name, entry in manifest["files"].items():

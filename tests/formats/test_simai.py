@@ -214,9 +214,11 @@ def test_the_cluster_timeline_adds_up_to_the_cluster_step(tiny_dirs, layout):
 def test_bad_parallel_settings_are_one_line_and_write_nothing(tiny_dirs, tmp_path, capsys, args, message):
     code, out = _run(tmp_path, str(tiny_dirs["llama"]), "--seq", "16", *args)
     err = capsys.readouterr().err
-    # one line, after at most the note that this CPU was measured (the cpu profile's first use)
+    # one line, after at most the note that this CPU was measured (the cpu profile's first use) and, on a busy
+    # machine, that the measurement is used for this run only
     assert code == 2 and message in err.splitlines()[-1] and "Traceback" not in err
-    assert all(line.startswith("measuring this CPU") for line in err.splitlines()[:-1])
+    assert all(line.startswith(("measuring this CPU", "warning: this CPU's measurement is not to be trusted"))
+               for line in err.splitlines()[:-1])
     assert not out.exists() or not any(out.iterdir())
 
 
