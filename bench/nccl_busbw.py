@@ -66,29 +66,36 @@ def bus_factor(collective: str, ranks: int) -> float:
     return 2 * (ranks - 1) / ranks if collective == "ALLREDUCE" else (ranks - 1) / ranks
 
 
+def header(figure: str) -> str:
+    return (f"{'device':<10} {'collective':<13} {'ranks':>5} {'nodes':>5} {'bytes':>7} {'algorithm':<17} "
+            f"{figure:>9} {'published':>9} {'error':>8}  source")
+
+
+def line(row: tuple, size: str, call, ours: float, published: float, note: str = "") -> str:
+    device, collective, ranks, nodes, _, forced = row[:6]
+    return (f"{device:<10} {collective:<13} {ranks:>5} {nodes:>5} {size:>7} "
+            f"{call.algorithm + '/' + call.protocol + (' (forced)' if forced else ''):<17} {ours:>9.1f} "
+            f"{published:>9.1f} {ours / published - 1:>+8.1%}  {note}")
+
+
 def main() -> int:
-    print(f"{'device':<10} {'collective':<13} {'ranks':>5} {'nodes':>5} {'bytes':>7} {'algorithm':<17} "
-          f"{'ours GB/s':>9} {'published':>9} {'error':>8}  source")
+    print(header("ours GB/s"))
     errors = []
-    for device, collective, ranks, nodes, nbytes, forced, published, source, constant in ROWS:
+    for row in ROWS:
+        device, collective, ranks, nodes, nbytes, forced, published, source, constant = row
         call = choose(collective, nbytes, ranks, nodes, devices.load(device).network(), forced)
         ours = nbytes / call.time_ns * bus_factor(collective, ranks)  # bytes/ns = GB/s
-        error = ours / published - 1
         if not constant:
-            errors.append(abs(error))
-        print(f"{device:<10} {collective:<13} {ranks:>5} {nodes:>5} {nbytes / GIB:>5.0f}Gi "
-              f"{call.algorithm + '/' + call.protocol + (' (forced)' if forced else ''):<17} {ours:>9.1f} "
-              f"{published:>9.1f} {error:>+8.1%}  {source}{' [sets a constant]' if constant else ''}")
+            errors.append(abs(ours / published - 1))
+        print(line(row, f"{nbytes / GIB:.0f}Gi", call, ours, published,
+                   source + (" [sets a constant]" if constant else "")))
     print(f"\n{len(errors)} rows not used for any constant: median |error| {statistics.median(errors):.1%}, "
           f"max {max(errors):.1%}")
-    print(f"\nsmall messages (time):\n{'device':<10} {'collective':<13} {'ranks':>5} {'nodes':>5} {'bytes':>7} "
-          f"{'algorithm':<17} {'ours us':>9} {'published':>9} {'error':>8}  source")
-    for device, collective, ranks, nodes, nbytes, forced, published_us, source in SMALL:
+    print(f"\nsmall messages (time):\n{header('ours us')}")
+    for row in SMALL:
+        device, collective, ranks, nodes, nbytes, forced, published_us, source = row
         call = choose(collective, nbytes, ranks, nodes, devices.load(device).network(), forced)
-        ours = call.time_ns / 1e3
-        print(f"{device:<10} {collective:<13} {ranks:>5} {nodes:>5} {nbytes:>7} "
-              f"{call.algorithm + '/' + call.protocol + (' (forced)' if forced else ''):<17} {ours:>9.1f} "
-              f"{published_us:>9.1f} {ours / published_us - 1:>+8.1%}  {source}")
+        print(line(row, str(nbytes), call, call.time_ns / 1e3, published_us, source))
     return 0
 
 

@@ -184,8 +184,9 @@ def _rank_nodes(pb, cluster, rank: int, groups: dict) -> list:
     fsdp = _fsdp_groups(units) if p.zero == 3 else {}
     stream: list[int] = []  # ZeRO 3's communication stream: its collectives run one after another, in issue order
 
-    def issue(name: str, comm, deps: list[int]) -> int:
+    def issue(mb: int, comm, unit, deps: list[int]) -> int:
         nonlocal stream
+        name = f"mb{mb} {comm.type} {comm.group} {comm.what} (ZeRO {p.zero} {unit.name})"
         stream = [b.collective(name, comm, comm_ns(comm, p, cluster.profile), deps=[*deps, *stream])]
         return stream[0]
 
@@ -202,28 +203,24 @@ def _rank_nodes(pb, cluster, rank: int, groups: dict) -> list:
         # gradients are reduce-scattered when its compute ends
         groups, seen = [], set()
         if forward and chunk == 0 and mb == 0 and cluster.param_gathers:  # --overlap-param-gather: the step's start
-            groups = [(tuple(units), tuple(gathers), (), ()) for units, gathers in cluster.param_gathers[stage]]
+            groups = [(tuple(units), tuple(gathers), (), ()) for units, gathers in cluster.param_gathers[stage] if units]
             seen = {id(u) for units, *_ in groups for u in units}
-            groups = [g for g in groups if g[0]] or groups
         for unit in chunks[chunk] if forward else reversed(chunks[chunk]):
             group = fsdp.get(id(unit), ((unit,), (), (), ()))
             if id(group[0][0]) not in seen:
                 seen.add(id(group[0][0]))
                 groups.append(group)
         phase_gathers = 1 if forward else 2
-        ready = [issue(f"mb{mb} {c.type} {c.group} {c.what} (ZeRO {p.zero} {groups[0][0][0].name})", c, list(b.last))
-                 for c in groups[0][phase_gathers]] if groups else []
+        ready = [issue(mb, c, groups[0][0][0], list(b.last)) for c in groups[0][phase_gathers]] if groups else []
         for i, (members, *_, scatters) in enumerate(groups):
             b.last = [*b.last, *ready]
             if i + 1 < len(groups):
-                nxt = groups[i + 1]
-                ready = [issue(f"mb{mb} {c.type} {c.group} {c.what} (ZeRO {p.zero} {nxt[0][0].name})", c, list(b.last))
-                         for c in nxt[phase_gathers]]
+                ready = [issue(mb, c, groups[i + 1][0][0], list(b.last)) for c in groups[i + 1][phase_gathers]]
             for unit in members if forward else reversed(members):
                 _unit_nodes(b, pb, unit, forward, mb, p, cluster, completes)
             if not forward:
                 for c in scatters:
-                    issue(f"mb{mb} {c.type} {c.group} {c.what} (ZeRO 3 {members[0].name})", c, list(b.last))
+                    issue(mb, c, members[0], list(b.last))
         target = virtual + 1 if forward else virtual - 1
         if 0 <= target <= last_virtual and not (forward and virtual == last_virtual):
             b.add(f"send {'activation' if forward else 'gradient'} mb{mb}", pb.COMM_SEND_NODE, b.last, chained=False,

@@ -4,8 +4,7 @@ The rank's timeline lays its units inside its stage's passes as the cluster step
 from its start under the 1F1B or interleaved schedule): forward in order, backward in reverse (input
 gradient, then weight gradient); a tensor- or expert-parallel collective blocks compute until it ends,
 CP's ring runs beside its unit's compute. Its data-parallel spans, optimizer and ZeRO gathers are the
-step's own, so every span ends by the step. Without a cluster step it falls back to the SimAI policy on
-one rank. Collective times are NCCL's tuner on the device's topology (cluster/network.py). The cluster's
+step's own, so every span ends by the step. Collective times are NCCL's tuner on the device's topology (cluster/network.py). The cluster's
 timeline (one process per stage) follows the rank's in the same file.
 """
 
@@ -24,23 +23,18 @@ COMPUTE, MODEL_PARALLEL_COMM, DATA_PARALLEL_COMM = 0, 1, 2
 THREADS = {COMPUTE: "compute", MODEL_PARALLEL_COMM: "tp/ep collectives", DATA_PARALLEL_COMM: "dp collectives"}
 
 
-def trace_json(rank: RankWorkload, device: DeviceProfile, cluster=None, stack: str = "eager") -> str:
+def trace_json(rank: RankWorkload, device: DeviceProfile, cluster, stack: str = "eager") -> str:
     check_device(device, rank.parallel)
     timeline = _Timeline(rank.parallel, device)
-    if cluster is not None:
-        _rank_in_the_cluster(timeline, cluster, rank.parallel.stage)
-    else:
-        _rank_alone(timeline, rank)
+    _rank_in_the_cluster(timeline, cluster, rank.parallel.stage)
     meta = [{"name": "thread_name", "ph": "M", "pid": rank.parallel.stage, "tid": tid, "args": {"name": name}}
             for tid, name in THREADS.items()]
     meta.append({"name": "process_name", "ph": "M", "pid": rank.parallel.stage, "tid": 0,
                  "args": {"name": f"pipeline stage {rank.parallel.stage}, tensor-parallel rank 0"}})
     events = meta + timeline.events
     other = {"step_ns": round(timeline.end_ns()), "parallel": rank.parallel.as_dict(), "device": device.name,
-             "stack": stack}
-    if cluster is not None:
-        events += cluster_events(cluster)
-        other["cluster_step_ns"] = round(cluster.step_ns)
+             "stack": stack, "cluster_step_ns": round(cluster.step_ns)}
+    events += cluster_events(cluster)
     return json.dumps({"traceEvents": events, "displayTimeUnit": "ns", "otherData": other}, indent=1) + "\n"
 
 
@@ -69,22 +63,6 @@ def _rank_in_the_cluster(timeline: "_Timeline", cluster, stage: int) -> None:
         timeline.span(_gather_name(cluster.parallel), "comm", DATA_PARALLEL_COMM, start + summary.optimizer_ns,
                       summary.zero_gather_ns)
     timeline.now_ns = summary.end_ns
-
-
-def _rank_alone(timeline: "_Timeline", rank: RankWorkload) -> None:
-    """Without the cluster step: the SimAI policy on one rank, micro-batch after micro-batch."""
-    compute_units = [u for u in rank.units if u.block != "dp"]
-    for micro_batch in range(rank.parallel.micro_batches):
-        last = micro_batch == rank.parallel.micro_batches - 1
-        for unit in compute_units:
-            timeline.compute(unit, FORWARD, micro_batch)
-        for unit in reversed(rank.units):
-            if unit.block == "dp":
-                if last:
-                    timeline.data_parallel(unit)
-                continue
-            timeline.compute(unit, INPUT_GRAD, micro_batch)
-            timeline.compute(unit, WEIGHT_GRAD, micro_batch)
 
 
 CLUSTER_PID = 1000  # the cluster's timeline: one process per pipeline stage, after the rank's units
@@ -162,16 +140,10 @@ class _Timeline:
             else:
                 self.now_ns += duration
 
-    def data_parallel(self, unit: Unit) -> None:
-        for comm in unit.comms[WEIGHT_GRAD]:
-            start = max(self.now_ns, self.dp_free_ns)
-            duration = comm_ns(comm, self.parallel, self.device)
-            self._span(f"{unit.name}", "comm", DATA_PARALLEL_COMM, start, duration, what=comm.what, bytes=comm.bytes)
-            self.dp_free_ns = start + duration
-
     def span(self, name: str, category: str, tid: int, start_ns: float, duration_ns: float, **args) -> None:
         self._span(name, category, tid, start_ns, duration_ns, **args)
-        self.dp_free_ns = max(self.dp_free_ns, start_ns + duration_ns) if tid == DATA_PARALLEL_COMM else self.dp_free_ns
+        if tid == DATA_PARALLEL_COMM:
+            self.dp_free_ns = max(self.dp_free_ns, start_ns + duration_ns)
 
     def end_ns(self) -> float:
         return max(self.now_ns, self.dp_free_ns)

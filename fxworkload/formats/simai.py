@@ -112,7 +112,7 @@ def step_units(rank: RankWorkload) -> list[Unit]:
 
 def _rows(unit: Unit, p, device) -> list[SimaiRow]:
     comms = [[c for c in unit.comms[phase] if c.group != "cp" and not c.overlapped] for phase in PHASES]
-    folded = [_context_parallel_ns(unit, phase, p, device) for phase in PHASES]
+    folded = [_folded_ns(unit, phase, p, device) for phase in PHASES]
     name = EMBEDDING_ROW if unit.block == EMBEDDING else unit.name
     rows = []
     for k in range(max(1, *(len(c) for c in comms))):
@@ -123,7 +123,7 @@ def _rows(unit: Unit, p, device) -> list[SimaiRow]:
     return rows
 
 
-def _context_parallel_ns(unit: Unit, phase: str, p, device) -> float:
+def _folded_ns(unit: Unit, phase: str, p, device) -> float:
     """What CP's exchanges and the overlapped TP collectives (--tp-comm-overlap) expose, folded into compute:
     SimAI has no CP group, and would run an overlapped TP collective as a blocking one."""
     from ..cluster.step import exposed_comms_ns

@@ -260,7 +260,7 @@ def test_zero3_simai_rows_carry_every_gather_and_reduce_scatter_per_micro_batch(
                      "--micro-batches", "3", "--zero", "3", *extra)
     assert code == 0
     rows = read_simai(out / "workload.simai.txt").rows
-    model = AutoModelForCausalLM_from(tiny_dirs["llama"])
+    model = _meta_model(tiny_dirs["llama"])
     parameter_bytes = 4 * sum(p.numel() for p in model.parameters())
     units = 1 + model.config.num_hidden_layers + 1  # embedding, layers, head (norm and lm_head)
     scatters = [r for r in rows if r.weight_grad_comm == "REDUCESCATTER"]
@@ -270,7 +270,7 @@ def test_zero3_simai_rows_carry_every_gather_and_reduce_scatter_per_micro_batch(
     assert sum(r.weight_grad_comm_bytes for r in gathers) == 3 * parameter_bytes * (1 if keep_gathered else 2)
 
 
-def AutoModelForCausalLM_from(folder):
+def _meta_model(folder):
     """The checkpoint's model as transformers builds it (on the meta device: only its parameters' shapes)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
