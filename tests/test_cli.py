@@ -123,6 +123,14 @@ def test_devices_name_lists_each_figure_with_its_kind_and_source():
     assert "fitted" in fit and "H100" in fit
     bad = fxworkload("devices", "no-such-gpu")
     assert bad.returncode != 0 and "unknown device" in bad.stderr and "Traceback" not in bad.stderr
+    assert "did you mean" not in bad.stderr  # nothing near it
+
+
+def test_a_device_named_as_people_say_it_is_met_with_the_profiles_it_may_mean():
+    """'--device H100' (the datasheet's spelling) names the three H100 profiles in one line on stderr."""
+    bad = fxworkload("devices", "H100")
+    assert bad.returncode != 0 and len(bad.stderr.strip().splitlines()) == 1
+    assert "did you mean h100-nvl, h100-pcie or h100-sxm?" in bad.stderr
 
 
 def _bad_inputs(tmp_path, tiny_dirs):

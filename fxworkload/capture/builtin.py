@@ -37,7 +37,7 @@ def locate(model: str) -> tuple[str, Path, Path | None]:
         folder = cached_snapshot(model)
         if folder is None:
             raise UserError(f"'{model}' is not in the local HuggingFace cache ({hub_cache_dir()}); fxworkload never "
-                            f"downloads: fetch it first (huggingface-cli download {model} config.json) or pass "
+                            f"downloads: fetch it first (hf download {model} config.json) or pass "
                             "a checkpoint folder")
         return model.rsplit("/", 1)[1], folder / "config.json", folder
     raise UserError(f"unknown model '{model}': use a checkpoint folder, a config.json, a HuggingFace id in the "

@@ -8,6 +8,7 @@ profile a user calibrated under a name of their own.
 from __future__ import annotations
 
 import contextlib
+import difflib
 import functools
 import json
 import math
@@ -21,7 +22,7 @@ from .. import store
 from ..errors import UserError
 from ..store import cache_dir  # noqa: F401 (the cache folder, where measured profiles live)
 from ..names import NAME, check_name as check_a_name
-from .gpu import GpuFacts, GpuModel
+from .gpu import RESIDENT_THREADS, SM_THREADS, GpuFacts, GpuModel
 from .topology import Topology, check as check_topology, generation as topology_generation
 
 DATA_DIR = Path(__file__).resolve().parent / "device_profiles"
@@ -59,6 +60,7 @@ class DeviceProfile:
     gpu_model_fit: str = ""
     gpu_model_parameters: dict[str, float] = field(default_factory=dict)
     power_limit_w: float = 0.0  # the board's power limit (TDP), W; 0 = not given
+    process_nm: float = 0.0  # the GPU die's process node, nm (TSMC 4N/4NP count as 5); 0 = not given
     # The network this GPU sits in (cost/topology.py), any of Topology's fields; the rest from the figures above
     topology: dict = field(default_factory=dict)
 
@@ -76,7 +78,9 @@ class DeviceProfile:
 
     def gpu_facts(self) -> GpuFacts:
         return GpuFacts(sm_count=self.sm_count, tensor_flops_per_s=self.matmul_flops_per_s,
-                        memory_bytes_per_s=self.memory_bytes_per_s, l2_bytes=self.l2_bytes)
+                        memory_bytes_per_s=self.memory_bytes_per_s, l2_bytes=self.l2_bytes,
+                        power_limit_w=self.power_limit_w, process_nm=self.process_nm,
+                        threads_per_sm=RESIDENT_THREADS.get(self.arch, SM_THREADS))
 
     def gpu_model(self) -> GpuModel:
         return _model(self.gpu_model_fit, tuple(sorted(self.gpu_model_parameters.items())))
@@ -87,7 +91,7 @@ class DeviceProfile:
         if not self.gpu_model_fit:
             return {}
         return {family: (float(low), float(high))
-                for family, (low, high) in read_fit(self.gpu_model_fit).get("intervals", {}).items()}
+                for family, (low, high) in fit_chain(self.gpu_model_fit).get("intervals", {}).items()}
 
     def compute_capability(self) -> tuple[int, int]:
         """(major, minor) as torch.cuda.get_device_capability reports it; on ROCm a gfx target
@@ -115,9 +119,22 @@ def figure_kind(source: str) -> str:
 
 @functools.cache
 def _model(fit: str, inline: tuple) -> GpuModel:
-    parameters = dict(read_fit(fit)["parameters"]) if fit else {}
+    parameters = dict(fit_chain(fit)["parameters"]) if fit else {}
     parameters.update(dict(inline))
     return GpuModel.of(parameters)
+
+
+def fit_chain(name: str, seen: tuple = ()) -> dict:
+    """A fit with its ``base`` folded in: a cross-GPU fit (fits/cross-gpu-*.json) names the one-GPU fit
+    whose parameters it leaves as they are, and replaces the rest (its intervals too, where it has any)."""
+    if name in seen:
+        raise UserError(f"{FIT_DIR / name}.json: its 'base' chain returns to itself; reinstall fxworkload")
+    fit = read_fit(name)
+    if not fit.get("base"):
+        return fit
+    base = fit_chain(check_a_name(str(fit["base"]), "base", "fit name"), (*seen, name))
+    return {**base, **fit, "parameters": {**base["parameters"], **fit["parameters"]},
+            "intervals": fit.get("intervals") or base.get("intervals", {})}
 
 
 FIT_DIR = Path(__file__).resolve().parent / "fits"
@@ -163,8 +180,17 @@ def load(name: str) -> DeviceProfile:
             return read(path)
     if name == "cpu":
         raise UserError("no measured profile of this CPU yet: run 'fxworkload calibrate' first")
-    raise UserError(f"unknown device '{name}': use one of {', '.join(names())}, "
-                    "or measure this machine's GPU with 'fxworkload calibrate --on cuda --name NAME'")
+    near = did_you_mean(name, names())
+    raise UserError(f"unknown device '{name}'{f' (did you mean {near}?)' if near else ''}: use one of "
+                    f"{', '.join(names())}, or measure this machine's GPU with 'fxworkload calibrate --on cuda --name NAME'")
+
+
+def did_you_mean(name: str, known: list[str]) -> str:
+    """The known names a mistyped one may mean: those containing it whatever its case ('H100': h100-sxm,
+    h100-pcie, ...), else the closest spellings (difflib)."""
+    lowered = name.lower()
+    found = [k for k in known if lowered in k] or difflib.get_close_matches(lowered, known, n=3, cutoff=0.6)
+    return " or ".join(", ".join(found).rsplit(", ", 1)) if found else ""
 
 
 def _gpu_tokens(text: str) -> set[str]:
@@ -235,7 +261,7 @@ def _bad_figure(profile: DeviceProfile) -> str | None:
         if not number(value) or value <= 0:
             return f"{name} = {value!r} is not a positive finite number"
     for name in ("intra_node_bytes_per_s", "inter_node_bytes_per_s", "kernel_launch_ns", "sm_count", "l2_bytes",
-                 "memory_capacity_bytes", "power_limit_w"):
+                 "memory_capacity_bytes", "power_limit_w", "process_nm"):
         value = getattr(profile, name)
         if not number(value) or value < 0:
             return f"{name} = {value!r} must be a finite number, 0 or more"
