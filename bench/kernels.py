@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/kernels.py ../shared/gpu-kernels/h100-sxm --device h100-sxm
     .venv/bin/python bench/kernels.py DATA_DIR --device h100-sxm --write-fit   # refit, ship the parameters
+    .venv/bin/python bench/kernels.py --leave-one-gpu-out   # ten GPUs, each scored by a fit on the others (bench/gpus.py)
 
 Each row of gemm.csv, sdpa.csv and vector.csv is traced through extract's own capture and costing
 path (see fxworkload/measure/kernels.py) and estimated with the device profile's GPU model. Tables
@@ -54,11 +55,20 @@ def _table(title: str, samples, errors) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("data_dir", type=Path)
+    parser.add_argument("data_dir", type=Path, nargs="?")
     parser.add_argument("--device", default="h100-sxm")
+    parser.add_argument("--leave-one-gpu-out", action="store_true",
+                        help="score every GPU of NeuSight's data with the cross-GPU terms fitted on the others "
+                             "(bench/gpus.py; no data_dir needed)")
     parser.add_argument("--write-fit", action="store_true",
                         help="fit on all rows and write the parameters to fxworkload/cost/fits/<device>.json")
     args = parser.parse_args()
+    if args.leave_one_gpu_out:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import gpus  # bench/gpus.py: the cross-GPU data and fit
+        return gpus.main([])
+    if args.data_dir is None:
+        parser.error("give the kernel data folder (or --leave-one-gpu-out)")
     try:
         device = devices.load(args.device)
         if not device.sm_count:

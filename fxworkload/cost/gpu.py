@@ -11,6 +11,11 @@ H100 and are shipped with their source, or fitted by ``fxworkload calibrate --on
   16 bytes run the Hopper/Ampere tensor-core kernels, 4–8-byte multiples sm80 CUTLASS ones, 2-byte
   (odd element counts) the ``align1`` fallback; fp32 (no TF32) runs on the FP32 units. A thin GEMM is
   bound by reading its operands.
+- Power (``sustained_clock_fraction``): an FP32-unit GEMM draws power in proportion to the FLOPs it runs
+  (below the voltage floor a clock's power is linear in it), so a board whose power limit is small beside
+  its FP32 peak cannot hold its boost clock: the share it holds is the power limit over the power the
+  peak would draw, at a fitted energy per FLOP per nanometre of process node (fitted across GPUs, see
+  bench/gpus.py). The 70-72 W L4 and T4 hold about a third and half; a 250-700 W data-centre GPU all.
 - Attention (``attention_ns``): FLOPs at a per-kernel efficiency of the tensor peak (cuDNN, flash,
   memory-efficient; forward and backward apart), counting only the score tiles a causal kernel visits
   (an explicit mask visits them all) and the head dimension padded to the kernel's 64-wide tiles,
@@ -55,6 +60,9 @@ class GpuModel:
     # Set to the published H100 figures of pytorch/ao#2490 (bench_grouped_mm.py, bf16, 8,192 tokens over
     # 16 experts, K x N = 5,120 x 8,192 and 8,192 x 5,120: 1.31 and 1.26 ms; this model gives 1.29 for both).
     gemm_grouped_efficiency: float = 0.65
+    # Board watts an FP32-unit GEMM draws per TFLOP/s of the FP32 peak per nm of process node, at the boost
+    # clock; 0: no board is power-bound (the H100 fit: its 700 W is never the limit).
+    fp32_watts_per_tflop_nm: float = 0.0
     gemm_tile_edge: float = 13.6  # elements: a tile's efficiency is tm·tn / (tm·tn + edge·(tm + tn))
     gemm_kernel_ns: float = 5580.0  # fixed cost of one GEMM call (launch, prologue, epilogue)
     gemm_min_ns: float = 25200.0  # the shortest a cuBLAS call took back to back in eager PyTorch
@@ -127,6 +135,9 @@ class GpuFacts:
     tensor_flops_per_s: dict  # dtype name -> dense tensor-core peak (fp32: the FP32-unit peak, no TF32)
     memory_bytes_per_s: float
     l2_bytes: int = 0  # 0: unknown (nothing is taken to stay in L2)
+    power_limit_w: float = 0.0  # the board's power limit; 0: unknown (never power-bound)
+    process_nm: float = 0.0  # the die's process node (TSMC 4N counts as 5); 0: unknown
+    threads_per_sm: int = 2048  # resident threads per SM (RESIDENT_THREADS by compute capability)
 
 
 ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}  # dtypes by fxworkload's names (dtypes.DTYPES; fp8: --fp8 GEMMs)
@@ -142,7 +153,7 @@ def gemm_ns(m: int, k: int, n: int, batch: int, dtype: str, leading_dims: tuple[
     """``batch`` GEMMs of m×k·k×n in one kernel; ``grouped``: the groups of a grouped GEMM (no split-K)."""
     itemsize = ITEMSIZE[dtype]
     if itemsize == 4:
-        efficiency = model.gemm_fp32_efficiency
+        efficiency = model.gemm_fp32_efficiency * sustained_clock_fraction(facts, model)
     elif grouped:
         efficiency = model.gemm_grouped_efficiency
     else:
@@ -165,6 +176,15 @@ def gemm_ns(m: int, k: int, n: int, batch: int, dtype: str, leading_dims: tuple[
             compute_s = min(compute_s, seconds)
     memory_s = (m * k + k * n + m * n) * batch * itemsize / bandwidth
     return max(model.gemm_min_ns, model.gemm_kernel_ns + 1e9 * max(compute_s, memory_s))
+
+
+def sustained_clock_fraction(facts: GpuFacts, model: GpuModel) -> float:
+    """Share of its boost clock a GPU holds through an FP32-unit GEMM: its power limit over what the
+    FP32 peak would draw at ``fp32_watts_per_tflop_nm`` (1 where either is unknown)."""
+    if not (facts.power_limit_w and facts.process_nm and model.fp32_watts_per_tflop_nm):
+        return 1.0
+    peak_tflop_per_s = facts.tensor_flops_per_s["fp32"] / 1e12
+    return min(1.0, facts.power_limit_w / (peak_tflop_per_s * facts.process_nm * model.fp32_watts_per_tflop_nm))
 
 
 def causal_fraction(q_len: int, kv_len: int) -> float:
@@ -205,7 +225,13 @@ def attention_ns(flops: int, backend: str, backward: bool, dtype: str, *, batch:
 # each reduction: the forward three times (max, sum of exp, output), the backward twice (sum, output).
 SOFTMAX_BLOCK_THREADS = 1024
 SOFTMAX_SHARED_BYTES = 48 * 1024  # sharedMemPerBlock of every NVIDIA GPU since Kepler
-SM_THREADS = 2048  # resident threads per SM (sm80, sm90): two 1,024-thread blocks
+SM_THREADS = 2048  # resident threads per SM (sm60-sm70, sm80, sm87, sm90, sm100): two 1,024-thread blocks
+# The CUDA C++ Programming Guide's "Technical Specifications per Compute Capability": maximum resident
+# threads per SM where it is not 2,048 (Turing 1,024; GA10x and Ada 1,536).
+RESIDENT_THREADS = {"sm75": 1024, "sm86": 1536, "sm89": 1536, "sm120": 1536}
+# layer_norm_kernel.cu: the vectorized forward runs one row per block of 32 x 4 threads, and reads its row
+# twice (compute_stats' Welford pass, then the pass that normalizes and writes it).
+LAYER_NORM_BLOCK_THREADS = 128
 
 
 def softmax_kernel(row: int, itemsize: int, backward: bool) -> str:
@@ -221,14 +247,43 @@ def softmax_kernel(row: int, itemsize: int, backward: bool) -> str:
     return "block"
 
 
-def softmax_rereads(row: int, itemsize: int, backward: bool, facts: GpuFacts) -> int:
-    """Extra reads from memory of a (log-)softmax's first input, rows of ``row`` elements."""
-    if softmax_kernel(row, itemsize, backward) != "block":
-        return 0
-    rows_in_flight = facts.sm_count * SM_THREADS // SOFTMAX_BLOCK_THREADS
-    if facts.l2_bytes and rows_in_flight * row * itemsize <= facts.l2_bytes:
-        return 0  # the block's re-reads of its row hit L2
-    return 1 if backward else 2
+def softmax_block_threads(row: int, itemsize: int) -> int:
+    """SoftMax.cu's SoftMax_getBlockSize: up to 1,024 threads, one per 16-byte vector of the row, halved so
+    that half the row at least is read in vectors, rounded up to a power of two, a warp at least."""
+    vector = max(16 // itemsize, 1)
+    most = min(row // vector, SOFTMAX_BLOCK_THREADS)
+    if vector > 1:
+        most //= 2
+    block = 1
+    while block < most:
+        block *= 2
+    return max(block, 32)
+
+
+def l2_miss_fraction(row_bytes: int, block_threads: int, facts: GpuFacts) -> float:
+    """Share of a row-per-block kernel's second reads of its row that miss L2 and go to memory. Between a
+    block's two passes over its row, the other resident blocks (every SM full of them) read between half
+    a row each and a whole one (they started at staggered times), so the reuse distance spreads evenly over
+    W/2..W, W the rows in flight times their bytes: all hit while W <= L2, none from W >= 2 x L2."""
+    if not facts.l2_bytes:
+        return 1.0  # no L2 known: from memory
+    in_flight_bytes = facts.sm_count * max(facts.threads_per_sm // block_threads, 1) * row_bytes
+    return min(max(2 - 2 * facts.l2_bytes / in_flight_bytes, 0.0), 1.0)
+
+
+def softmax_rereads(row: int, itemsize: int, backward: bool, facts: GpuFacts, kernel: str = "") -> float:
+    """Extra reads from memory of a (log-)softmax's first input, rows of ``row`` elements; ``kernel`` names
+    the kernel that ran where it is known (a measurement's), else PyTorch's choice (softmax_kernel)."""
+    if (kernel or softmax_kernel(row, itemsize, backward)) != "block":
+        return 0.0
+    passes = 1 if backward else 2
+    return passes * l2_miss_fraction(row * itemsize, softmax_block_threads(row, itemsize), facts)
+
+
+def layer_norm_rereads(row: int, itemsize: int, facts: GpuFacts) -> float:
+    """Extra reads from memory of a layer norm forward's input: its second pass over each row, as far as
+    the rows in flight overflow L2 (none on GPUs of 40 MB of L2 or more at today's hidden sizes)."""
+    return l2_miss_fraction(row * itemsize, LAYER_NORM_BLOCK_THREADS, facts)
 
 
 def streaming_bytes_per_s(facts: GpuFacts, model: GpuModel, casts: bool = False) -> float:

@@ -15,7 +15,7 @@ import math
 import torch
 
 from .flops import ATTENTION, DATA_MOVEMENT, ELEMENTWISE, MATMUL, VIEW, base_name
-from .gpu import attention_ns, gemm_ns, memory_ns, softmax_rereads
+from .gpu import attention_ns, gemm_ns, layer_norm_rereads, memory_ns, softmax_rereads
 
 _FUSED_BACKENDS = {"cudnn", "flash", "efficient"}
 
@@ -75,8 +75,8 @@ def gpu_op_ns(op, device, dtype: str) -> float:
         return memory_ns(op.bytes, facts, model)
     name = base_name(op.op)
     kernels, passes = CUDA_KERNELS.get(name, (1, 1.0))
-    return memory_ns(int(op.bytes * passes) + _softmax_reread_bytes(name, op, facts), facts, model, kernels,
-                     casts=_casts(name, op))
+    rereads = _softmax_reread_bytes(name, op, facts) + _layer_norm_reread_bytes(name, op, facts)
+    return memory_ns(int(op.bytes * passes) + rereads, facts, model, kernels, casts=_casts(name, op))
 
 
 def _casts(name: str, op) -> bool:
@@ -94,4 +94,13 @@ def _softmax_reread_bytes(name: str, op, facts) -> int:
         return 0
     shape = op.input_shapes[0]
     itemsize = getattr(torch, op.input_dtypes[0]).itemsize
-    return softmax_rereads(shape[-1], itemsize, _SOFTMAX_OPS[name], facts) * math.prod(shape) * itemsize
+    return int(softmax_rereads(shape[-1], itemsize, _SOFTMAX_OPS[name], facts) * math.prod(shape) * itemsize)
+
+
+def _layer_norm_reread_bytes(name: str, op, facts) -> int:
+    """The forward's second pass over its input where the rows in flight overflow L2 (gpu.layer_norm_rereads)."""
+    if name != "native_layer_norm" or not op.input_shapes or not op.input_shapes[0]:
+        return 0
+    shape = op.input_shapes[0]
+    itemsize = getattr(torch, op.input_dtypes[0]).itemsize
+    return int(layer_norm_rereads(shape[-1], itemsize, facts) * math.prod(shape) * itemsize)

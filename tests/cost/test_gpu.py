@@ -223,17 +223,41 @@ def test_softmax_runs_the_kernel_pytorch_chooses_for_its_row_length():
 
 
 def test_a_long_softmax_rereads_its_rows_unless_the_rows_in_flight_fit_in_l2():
-    """By hand: 132 SMs x 2 blocks of one row each; fp32 rows of 50,304 are 53 MB in flight, over the
-    H100's 50 MB L2 (read three times: max, sum, output), bf16 ones 27 MB (re-read from L2). Oracle:
-    the largest fp32 row of the measured softmaxes, 750 us, within 10%."""
+    """By hand: rows of 50,304 run in blocks of 512 threads (SoftMax_getBlockSize: min(50,304 / 4, 1,024) / 2
+    for fp32, min(50,304 / 8, 1,024) / 2 for bf16), 4 to an SM of 2,048 threads, so 132 x 4 = 528 rows are in
+    flight: 106 MB of fp32, over twice the H100's 50 MB of L2 (every re-read from memory: the forward's
+    two, the backward's one); 53.1 MB of bf16, just over it (2 - 2 x 50 / 53.1 = 2.6 % of the re-reads
+    miss). Oracle: the largest fp32 row of the measured softmaxes, 750 us, within 10%."""
     from fxworkload.cost.gpu import softmax_rereads
 
     device = load("h100-sxm")
     facts = device.gpu_facts()
     assert softmax_rereads(50304, 4, False, facts) == 2 and softmax_rereads(50304, 4, True, facts) == 1
-    assert softmax_rereads(50304, 2, False, facts) == 0 and softmax_rereads(4096, 4, False, facts) == 0
+    assert softmax_rereads(50304, 2, False, facts) == pytest.approx(2 * (2 - 2 * 52428800 / (528 * 50304 * 2)))
+    assert softmax_rereads(4096, 4, False, facts) == 0  # the registers kernel: one read
     assert softmax_rereads(50304, 2, False, GpuFacts(132, {}, 3e12)) == 2  # no L2 known: from memory
     largest = [r for r in _softmax_rows() if r["dtype"] == "fp32" and r["cols"] == "50304" and r["rows"] == "2668"]
     sample, = kernels.vector_samples(largest, kernels.target_of(device))
     error, = kernels.relative_errors([sample], device)
     assert abs(error) <= 0.10
+
+
+def test_softmax_blocks_are_the_sizes_the_measured_kernels_launched():
+    """NeuSight's measured softmaxes (sitar-lab/NeuSight@6945927, dataset/test/softmax.csv, torch 2.1, fp32)
+    launched cunn_SoftMaxForward with blockDim.x 256 for rows of 1,280-2,048 and 512 for 2,560-16,384."""
+    from fxworkload.cost.gpu import softmax_block_threads
+
+    measured = {1280: 256, 1600: 256, 2048: 256, 2560: 512, 3072: 512, 4096: 512, 6400: 512, 10240: 512, 16384: 512}
+    assert {row: softmax_block_threads(row, 4) for row in measured} == measured
+
+
+def test_a_layer_norm_reads_its_rows_again_from_memory_as_far_as_they_overflow_l2():
+    """By hand, fp32 rows of 1,600 (6,400 bytes) in 128-thread blocks: a V100 (80 SMs of 2,048 threads:
+    1,280 rows, 8.2 MB in flight over its 6 MB of L2) misses 2 - 2 x 6 / 8.2 = 46 % of the second reads; an
+    A100 (1,728 rows, 11 MB of 40 MB) none; a T4 (Turing: 1,024 threads an SM, 320 rows, 2 MB of 4 MB) none."""
+    from fxworkload.cost.gpu import layer_norm_rereads
+
+    v100, a100, t4 = (load(name).gpu_facts() for name in ("v100-pcie", "a100-pcie-40gb", "t4"))
+    assert t4.threads_per_sm == 1024 and v100.threads_per_sm == 2048
+    assert layer_norm_rereads(1600, 4, v100) == pytest.approx(2 - 2 * 6291456 / (80 * 16 * 6400))
+    assert layer_norm_rereads(1600, 4, a100) == 0 and layer_norm_rereads(1600, 4, t4) == 0
