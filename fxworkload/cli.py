@@ -137,6 +137,10 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate.add_argument("--kernels", type=Path, default=None, metavar="DIR",
                            help="fit the GPU model to the kernel times in DIR (gemm.csv, sdpa.csv, vector.csv as "
                                 "'calibrate --on cuda' writes them) instead of measuring; needs --like")
+    calibrate.add_argument("--timing", choices=("back-to-back", "isolated"), default=None,
+                           help="with --kernels: how DIR's rows were timed: back-to-back calls (default, as "
+                                "'calibrate --on cuda' times them) or each call alone between two events (its "
+                                "launch gap is then measured and kept out of the model)")
     calibrate.add_argument("--estimated", type=Path, default=None,
                            help="with --from: workload.json (or its folder) of the traced step, extracted with "
                                 "its model, --batch, --seq and --dtype")
@@ -466,11 +470,13 @@ def run_calibrate(args) -> int:
         raise UserError(f"--name {name} is a shipped datasheet profile; choose another name")
     if args.like is not None:
         devices.load(args.like)
+    if args.timing is not None and args.kernels is None:
+        raise UserError("--timing says how --kernels DIR's rows were timed; give --kernels DIR with it")
     if args.kernels is not None:
         if args.like is None:
             raise UserError("--kernels needs --like PROFILE: the datasheet profile of the GPU the kernels ran on "
                             "(e.g. --like h100-sxm)")
-        return _calibrate_gpu(name, args.like, args.kernels)
+        return _calibrate_gpu(name, args.like, args.kernels, args.timing or "back-to-back")
     like = gpu_datasheet(args.like) if args.on == "cuda" else None
     if like is not None:
         return _calibrate_gpu(name, like, None)
@@ -498,10 +504,10 @@ def _save_profile(profile, name: str) -> Path:
                         "set FXWORKLOAD_CACHE_DIR to a writable folder") from None
 
 
-def _calibrate_gpu(name: str, like: str, kernels: Path | None) -> int:
+def _calibrate_gpu(name: str, like: str, kernels: Path | None, timing: str = "back-to-back") -> int:
     from .measure.calibrate import calibrate_gpu, fit_report_text, say
 
-    profile, report, folder = calibrate_gpu(name, like, kernels, progress=say)
+    profile, report, folder = calibrate_gpu(name, like, kernels, progress=say, timing=timing)
     path = _save_profile(profile, name)
     print(fit_report_text(report), end="")
     print(f"saved device profile '{name}' ({like}'s facts, the GPU model fitted to {folder}) to {path}; "

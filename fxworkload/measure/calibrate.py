@@ -321,8 +321,8 @@ def gpu_datasheet(like: str | None) -> str | None:
     return like or devices.matching_gpu(torch.cuda.get_device_name(device_for("cuda")))
 
 
-def calibrate_gpu(name: str, like: str, kernels_dir: Path | None = None,
-                  progress=say) -> tuple[DeviceProfile, dict, Path]:
+def calibrate_gpu(name: str, like: str, kernels_dir: Path | None = None, progress=say,
+                  timing: str = "back-to-back") -> tuple[DeviceProfile, dict, Path]:
     """The GPU model of datasheet profile ``like`` (its facts stay; its parameters are the fit's
     start) refitted on kernel times: measured now on this machine's GPU (written as CSV beside the
     profile), or read from ``kernels_dir``."""
@@ -345,7 +345,7 @@ def calibrate_gpu(name: str, like: str, kernels_dir: Path | None = None,
         read_folder(kernels_dir)
         description = f"{base.description}, GPU model fitted to the kernels in {kernels_dir}"
     progress(f"fitting {like}'s GPU model to the kernel times...")
-    profile, report = fitted_profile(kernels_dir, base, name, description)
+    profile, report = fitted_profile(kernels_dir, base, name, description, timing)
     return profile, report, kernels_dir
 
 
@@ -357,4 +357,7 @@ def fit_report_text(report: dict) -> str:
             lines.append(f"{family:7s} {rows:5d} rows  median error {report['before_pct'][family]:5.1f} % with the "
                          f"starting parameters, {report['after_pct'][family]:5.1f} % fitted, "
                          f"{report['held_out_pct'][family]:5.1f} % held out")
+    if report.get("launch_gap_ns") is not None:
+        lines.append(f"each row timed one call alone: a launch gap of {report['launch_gap_ns'] / 1e3:.1f} us, kept "
+                     "out of the model (the fixed costs per kernel are the starting profile's)")
     return "\n".join(lines) + "\n"

@@ -5,7 +5,11 @@ The files have the columns documented in shared/gpu-kernels/README.md (and writt
 call on fake tensors through the same capture and costing path as ``extract`` (GEMM operands laid
 out as the row's layout says, SDPA through the GPU dispatch rules), so what is checked is the model
 that extract uses. A row's estimate is the steady state of back-to-back calls, as measured: the
-larger of the host's dispatch and the GPU's kernels.
+larger of the host's dispatch and the GPU's kernels. Rows timed as single calls, each alone between two
+events (``timing="isolated"``, as NeuSight and many papers time them), hold the call's launch gap as well
+as its kernels: their estimate is that gap plus the kernels, the gap a fact of the host measured from the
+fastest rows, and the fixed costs per kernel stay the starting profile's (a gap and a fixed cost cannot
+be told apart on isolated calls; fitting both would charge the gap to every kernel of a step).
 """
 
 from __future__ import annotations
@@ -237,15 +241,41 @@ def vector_samples(rows: list[dict], target: GpuTarget) -> list[Sample]:
     return out
 
 
-def estimate_ns(sample: Sample, device: DeviceProfile) -> float:
-    """Back-to-back calls: the host issues every op of a call, the GPU runs every kernel; the slower wins."""
+TIMINGS = ("back-to-back", "isolated")
+# The fixed costs per call a fit on isolated calls leaves as they were (see the module's docstring).
+FIXED_COSTS = frozenset({"gemm_kernel_ns", "gemm_min_ns", "vector_kernel_ns", "attention_kernel_ns",
+                         "host_dispatch_ns", "host_output_ns"})
+FASTEST_SHARE = 0.1  # the launch gap: the median of the fastest tenth's time beyond its kernels
+
+
+def estimate_ns(sample: Sample, device: DeviceProfile, gap_ns: float | None = None) -> float:
+    """Back-to-back calls (``gap_ns`` None): the host issues every op of a call, the GPU runs every kernel;
+    the slower wins. A call timed alone: the launch gap, then its kernels (``device`` without the floor
+    back-to-back GEMMs meet, ``alone``)."""
+    if gap_ns is not None:
+        return gap_ns + sum(op_estimate_ns(op, device) for op in sample.ops)
     kernels = sum(op_estimate_ns(op, device) for op in sample.ops)
     dispatch = sum(op_dispatch_ns(op, device) for op in sample.ops)
     return max(kernels, dispatch)
 
 
-def relative_errors(samples: list[Sample], device: DeviceProfile) -> list[float]:
-    return [(estimate_ns(s, device) - s.measured_ns) / s.measured_ns for s in samples]
+def alone(device: DeviceProfile) -> DeviceProfile:
+    """The device as a single call meets it: no back-to-back floor on a GEMM (gemm_min_ns is the host's)."""
+    return with_model(device, replace(device.gpu_model(), gemm_min_ns=0.0))
+
+
+def relative_errors(samples: list[Sample], device: DeviceProfile, gap_ns: float | None = None) -> list[float]:
+    if gap_ns is not None:
+        device = alone(device)
+    return [(estimate_ns(s, device, gap_ns) - s.measured_ns) / s.measured_ns for s in samples]
+
+
+def launch_gap_ns(samples: list[Sample], device: DeviceProfile) -> float:
+    """The launch gap of a call timed alone: over the fastest tenth of the rows (at least one), the
+    median of measured time beyond the kernels' estimate, never below 0."""
+    fastest = sorted(samples, key=lambda s: s.measured_ns)[:max(1, int(FASTEST_SHARE * len(samples)))]
+    single = alone(device)
+    return max(0.0, statistics.median(s.measured_ns - estimate_ns(s, single, 0.0) for s in fastest))
 
 
 # Which parameters each family's rows decide, fitted in this order.
@@ -268,8 +298,9 @@ def with_model(device: DeviceProfile, model: GpuModel) -> DeviceProfile:
     return replace(device, gpu_model_fit="", gpu_model_parameters=model.as_dict())
 
 
-def fit(samples: list[Sample], device: DeviceProfile, rounds: int = 6) -> GpuModel:
-    """Coordinate descent in log steps on each family's median plus 0.3 x p90 absolute relative error."""
+def fit(samples: list[Sample], device: DeviceProfile, rounds: int = 6, gap_ns: float | None = None) -> GpuModel:
+    """Coordinate descent in log steps on each family's median plus 0.3 x p90 absolute relative error;
+    rows timed alone (``gap_ns`` given) leave the fixed costs per call as they are."""
     model = device.gpu_model()
     for family, names in FAMILY_PARAMETERS.items():
         mine = [s for s in samples if s.family == family]
@@ -277,12 +308,12 @@ def fit(samples: list[Sample], device: DeviceProfile, rounds: int = 6) -> GpuMod
             continue
 
         def loss(candidate: GpuModel) -> float:
-            errors = sorted(abs(e) for e in relative_errors(mine, with_model(device, candidate)))
+            errors = sorted(abs(e) for e in relative_errors(mine, with_model(device, candidate), gap_ns))
             return statistics.median(errors) + 0.3 * errors[int(0.9 * (len(errors) - 1))]
 
         best = loss(model)
         for _ in range(rounds):
-            for name in names:
+            for name in (n for n in names if gap_ns is None or n not in FIXED_COSTS):
                 for step in STEPS:
                     candidate = replace(model, **{name: getattr(model, name) * step})
                     score = loss(candidate)
@@ -315,20 +346,24 @@ def target_of(device: DeviceProfile) -> GpuTarget:
     return GpuTarget(arch=device.compute_capability(), priority=tuple(device.sdpa_priority))
 
 
-def median_abs_pct(samples: list[Sample], device: DeviceProfile) -> dict[str, float]:
+def median_abs_pct(samples: list[Sample], device: DeviceProfile, gap_ns: float | None = None) -> dict[str, float]:
     """Per family, the median absolute error of the estimates, in percent."""
-    errors = relative_errors(samples, device)
+    errors = relative_errors(samples, device, gap_ns)
     return {family: 100 * statistics.median(abs(e) for s, e in zip(samples, errors) if s.family == family)
             for family in sorted({s.family for s in samples})}
 
 
-def fitted_profile(data_dir: Path, base: DeviceProfile, name: str, description: str) -> tuple[DeviceProfile, dict]:
+def fitted_profile(data_dir: Path, base: DeviceProfile, name: str, description: str,
+                   timing: str = "back-to-back") -> tuple[DeviceProfile, dict]:
     """``base`` (datasheet facts, the shipped fit as the start) with the GPU model refitted on the
     rows of ``data_dir``; and a report: each family's median error before and after, and after a fit
-    on every other row (seeded shuffle) checked on the rows it did not see."""
+    on every other row (seeded shuffle) checked on the rows it did not see. ``timing`` says how the rows
+    were timed: back-to-back calls (as calibrate --on cuda does), or each call alone between events."""
     if not base.sm_count:
         raise UserError(f"device profile '{base.name}' is not a GPU profile (no sm_count): fit a GPU's kernels "
                         "onto the datasheet profile of that GPU, e.g. --like h100-sxm")
+    if timing not in TIMINGS:
+        raise UserError(f"unknown --timing {timing!r}: use {' or '.join(TIMINGS)}")
     measured = samples(data_dir, target_of(base))
     if not measured:
         raise UserError(f"{data_dir}: its CSVs hold no measured kernel time (headers only?); measure with "
@@ -338,15 +373,25 @@ def fitted_profile(data_dir: Path, base: DeviceProfile, name: str, description: 
         if 0 < count < MIN_ROWS:  # a family with none keeps the starting profile's parameters
             raise UserError(f"{data_dir / name}: {count} measured kernel time{'s' if count != 1 else ''}; a fit "
                             f"needs at least {MIN_ROWS} per file (half are held out to check it), or none")
-    fitted = with_model(base, fit(measured, base))
+
+    def gap(rows: list[Sample]) -> float | None:
+        return launch_gap_ns(rows, base) if timing == "isolated" else None
+
+    fitted = with_model(base, fit(measured, base, gap_ns=gap(measured)))
     order = list(range(len(measured)))
     random.Random(HOLDOUT_SEED).shuffle(order)
     train, held = [measured[i] for i in order[::2]], [measured[i] for i in order[1::2]]
+    held_fit = with_model(base, fit(train, base, gap_ns=gap(train)))
     report = {"rows": {f: sum(s.family == f for s in measured) for f in FAMILY_PARAMETERS},
-              "before_pct": median_abs_pct(measured, base), "after_pct": median_abs_pct(measured, fitted),
-              "held_out_pct": median_abs_pct(held, with_model(base, fit(train, base)))}
+              "before_pct": median_abs_pct(measured, base, gap(measured)),
+              "after_pct": median_abs_pct(measured, fitted, gap(measured)),
+              "held_out_pct": median_abs_pct(held, held_fit, gap(train)), "timing": timing}
     source = (f"fitted by 'fxworkload calibrate' to {len(measured)} kernel times in {data_dir} "
               f"(gemm.csv, sdpa.csv, vector.csv), starting from {base.name}'s parameters")
+    if timing == "isolated":
+        report["launch_gap_ns"] = gap(measured)
+        source += (f"; the rows timed one call alone, so each held a launch gap ({gap(measured) / 1e3:.1f} us, "
+                   "kept out of the model) and the fixed costs per kernel are the starting profile's")
     profile = replace(fitted, name=name, description=description,
                       sources={**base.sources, "gpu_model_parameters": source})
     return profile, report
