@@ -295,7 +295,7 @@ def _plan(model, gpus, global_batch, seq, dtype, workers, ray, progress, stack, 
     settings = {"seq": seq, "dtype": dtype, "stack": stack, "fp8": fp8, "topology": topology,
                 "devices": {p.name: asdict(p) for p in profiles}, "config": _raw_config(model)}
     rows = _run(model, groups, settings, workers, ray, progress, early)
-    fitting = sorted((r for r in rows if r["fits"]), key=lambda r: (r["step_ms"], -r["mfu"], _order(r)))
+    fitting = sorted((r for r in rows if r["fits"]), key=rank_key)
     for row in fitting:  # within the best's error interval: the estimates cannot tell them apart
         row["overlaps_best"] = row["step_low_ms"] <= fitting[0]["step_high_ms"]
     dropped["does not fit in memory"] = sum(1 for r in rows if not r["fits"])
@@ -311,22 +311,47 @@ def _order(row: dict) -> tuple:
                                        "micro_batch"))
 
 
+CHOICES = ("device", "tp", "cp", "pp", "vpp", "ep", "zero", "recompute", "micro_batch")
+TIE_MS = 0.5  # step times closer than this are a tie: the summary prints whole milliseconds
+
+
+def rank_key(row: dict) -> tuple:
+    """Fastest first; a tie (within a microsecond) goes to the layout holding less memory, then to the simpler
+    one: fewer model-parallel dimensions, a lower ZeRO stage, less recomputation, fewer virtual stages."""
+    return (round(row["step_ms"], 3), row["peak_bytes"], _simplicity(row), _order(row))
+
+
+def _simplicity(row: dict) -> tuple:
+    dimensions = sum(1 for k in ("tp", "cp", "pp", "ep") if row.get(k, 1) > 1)
+    return (dimensions, row["zero"], RECOMPUTE.index(row["recompute"]) if row["recompute"] in RECOMPUTE else
+            len(RECOMPUTE), row["vpp"])
+
+
 def why_best(ranked: list[dict]) -> list[str]:
-    """Why the best layout wins: against the fastest layout that differs from it in each choice (tp, cp,
-    pp, vpp, ZeRO, recomputation, micro-batch, device), the parts of the step that make the difference."""
+    """Why the best layout wins, one line per decision: against the fastest layout that differs from it in
+    that choice alone (tp, cp, pp, vpp, ep, ZeRO, recomputation, micro-batch, device), the parts of the step
+    that make the difference, or, where the two tie, the memory or simplicity that decided."""
     if not ranked:
         return []
     best, lines = ranked[0], []
-    for choice in ("device", "tp", "cp", "pp", "vpp", "zero", "recompute", "micro_batch"):
-        other = next((r for r in ranked[1:] if r[choice] != best[choice]), None)
-        if other is None:
-            continue
-        parts = {k: other["parts_ms"][k] - best["parts_ms"][k] for k in best["parts_ms"]}
-        biggest = sorted(parts.items(), key=lambda kv: -abs(kv[1]))[:2]
-        said = ", ".join(f"{name} {'+' if ms >= 0 else '-'}{abs(ms):.0f} ms" for name, ms in biggest if abs(ms) >= 0.5)
-        lines.append(f"{choice} {best[choice]} over {other[choice]}: the best {choice} {other[choice]} layout is "
-                     f"{other['step_ms'] - best['step_ms']:.0f} ms slower ({said or 'by rounding'})")
+    for choice in CHOICES:
+        other = next((r for r in ranked[1:] if r[choice] != best[choice]
+                      and all(r.get(c) == best.get(c) for c in CHOICES if c != choice)), None)
+        if other is not None:
+            lines.append(f"{choice} {best[choice]} over {other[choice]}: " + _difference(best, other, choice))
     return lines
+
+
+def _difference(best: dict, other: dict, choice: str) -> str:
+    slower_ms = other["step_ms"] - best["step_ms"]
+    if slower_ms < TIE_MS:
+        saved_gib = (other["peak_bytes"] - best["peak_bytes"]) / 2 ** 30
+        because = f"{saved_gib:.1f} GiB less memory" if saved_gib >= 0.05 else "the simpler layout"
+        return f"as fast (within {TIE_MS} ms); {because}"
+    parts = {k: other["parts_ms"][k] - best["parts_ms"][k] for k in best["parts_ms"]}
+    biggest = sorted(parts.items(), key=lambda kv: -abs(kv[1]))[:2]
+    said = ", ".join(f"{name} {'+' if ms >= 0 else '-'}{abs(ms):.0f} ms" for name, ms in biggest if abs(ms) >= 0.5)
+    return f"the best {choice} {other[choice]} layout is {slower_ms:.0f} ms slower ({said or 'by rounding'})"
 
 
 def network_lines(best: list[dict], profiles) -> list[str]:
