@@ -194,7 +194,7 @@ def _evaluate_shape(model, shape, layouts, seq, dtype, device, stack, grad_dtype
 
 # a layout's step figures: None for one that does not fit where only those that fit are timed
 STEP_FIGURES = ("parts_ms", "step_ms", "mfu", "hfu", "step_low_ms", "step_high_ms", "tflops_per_gpu",
-                "tokens_per_s_per_gpu", "bubble", "exposed_gather_ms")
+                "tokens_per_s_per_gpu", "bubble", "exposed_gather_ms", "slowest_gpu_step_ms")
 _ROW_KEYS = {"device", "tp", "cp", "pp", "pp_layers", "dp", "ep", "sp", "vpp", "zero", "fp8", "recompute",
              "recompute_layers", "micro_batch", "micro_batches", "peak_bytes", "fits", *STEP_FIGURES}
 
@@ -225,7 +225,8 @@ def _step(facts, workload, captured, p, micro_batch, seq, dtype, grad_dtype, pro
     figures = {"parts_ms": _parts_ms(step), "step_ms": step.step_ns / 1e6, "mfu": step.mfu, "hfu": step.hfu,
                "step_low_ms": low / 1e6, "step_high_ms": high / 1e6, "tflops_per_gpu": step.tflops_per_gpu,
                "tokens_per_s_per_gpu": step.tokens_per_s_per_gpu, "bubble": step.bubble_fraction,
-               "exposed_gather_ms": step.exposed_ns["zero3_gather"] / 1e6}
+               "exposed_gather_ms": step.exposed_ns["zero3_gather"] / 1e6,
+               "slowest_gpu_step_ms": step.slowest_gpu_step_ns / 1e6}
     return figures
 
 
@@ -514,7 +515,7 @@ def _rows_entry(task: tuple, settings: dict):
 
 # a timed row's step figures (all None in a row not timed: a layout that does not fit)
 _ROW_STEP = {"step_ms", "mfu", "hfu", "step_low_ms", "step_high_ms", "tflops_per_gpu", "tokens_per_s_per_gpu",
-             "bubble", "exposed_gather_ms"}
+             "bubble", "exposed_gather_ms", "slowest_gpu_step_ms"}
 
 
 def _cached_rows(entry, task: tuple) -> list[dict] | None:

@@ -36,6 +36,7 @@ from ..workload.table import Workload
 from .network import comm_ns, p2p_ns
 from .schedule import BACKWARD, Pass, timelines
 from .zero3 import Group, compute_share_lost, simulate_pass
+from .stragglers import slowest_step_ns
 
 # Adam touches per parameter: the fp32 master copy and both moments, read and written (2 x 12 bytes
 # in mixed precision, 2 x 8 in fp32), the gradient read and the parameter written in its own dtype.
@@ -118,6 +119,15 @@ class ClusterStep:
     def tokens_per_s_per_gpu(self) -> float:
         return self.tokens / (self.step_ns * 1e-9) / self.world
 
+    @property
+    def gpu_speed_spread(self) -> float:
+        return self.profile.network().gpu_speed_spread if self.profile is not None else 0.0
+
+    @property
+    def slowest_gpu_step_ns(self) -> float:
+        """The step at the pace of the slowest GPU of the job (cluster/stragglers.py); the step where all are alike."""
+        return slowest_step_ns(self.step_ns, self.exposed_ns, self.world, self.gpu_speed_spread)
+
     def as_dict(self) -> dict:
         return {"step_ns": self.step_ns, "pipeline_ns": self.pipeline_ns, "bubble_fraction": self.bubble_fraction,
                 "exposed_ns": self.exposed_ns, "model_flops": self.model_flops, "hardware_flops": self.hardware_flops,
@@ -125,6 +135,7 @@ class ClusterStep:
                 "tokens_per_step": self.tokens, "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu,
                 "peak_flops_per_s": self.peak_flops_per_s,
                 "step_interval_ns": list(self.step_interval_ns) if self.step_interval_ns else None,
+                "gpu_speed_spread": self.gpu_speed_spread, "slowest_gpu_step_ns": self.slowest_gpu_step_ns,
                 "devices": [vars(d) for d in self.devices]}
 
 

@@ -12,6 +12,8 @@ A device profile carries its platform's topology (a ``topology`` block in its JS
   one direction (a rail-optimised HGX node has one 400 Gb/s NIC per GPU: 50 GB/s).
 - ``nvlink_sharp``: the NVSwitches reduce in the switch (NVLink SHARP, NCCL's NVLS and NVLS-tree algorithms);
   third-generation NVSwitch (Hopper) and later.
+- ``gpu_speed_spread``: how much the cluster's GPUs differ in speed, sigma / mean of a GPU's time for the same
+  work (0: all alike); a synchronous step waits for the slowest (cluster/stragglers.py).
 - ``leaf_gpus`` and ``oversubscription``: a group wider than one leaf (one rail group of a rail-optimised
   fabric, e.g. a 32-node DGX SuperPOD scalable unit = 256 GPUs) crosses the spine, whose bandwidth is the
   leaves' divided by ``oversubscription`` (1 = non-blocking, as SuperPODs are built).
@@ -36,6 +38,7 @@ class Topology:
     leaf_gpus: int = 0  # 0: one leaf holds every GPU (no oversubscribed spine)
     oversubscription: float = 1.0
     generation: str = "hopper"  # NCCL's per-architecture tuning row: volta, ampere, hopper, blackwell
+    gpu_speed_spread: float = 0.0  # sigma / mean of a GPU's time for the same work across the cluster
 
     @property
     def nic_share_bytes_per_s(self) -> float:
@@ -47,7 +50,8 @@ class Topology:
 _KEYS = {"nvlink-domain": ("nvlink_domain_gpus", int), "nvlink-gbps": ("nvlink_bytes_per_s", "gbit"),
          "gpus-per-node": ("gpus_per_node", int), "nics-per-node": ("nics_per_node", int),
          "nic-gbps": ("nic_bytes_per_s", "gbit"), "nvlink-sharp": ("nvlink_sharp", bool),
-         "leaf-gpus": ("leaf_gpus", int), "oversubscription": ("oversubscription", float)}
+         "leaf-gpus": ("leaf_gpus", int), "oversubscription": ("oversubscription", float),
+         "gpu-spread": ("gpu_speed_spread", float)}
 EXAMPLE = "nvlink-domain=8,nics-per-node=8,nic-gbps=400,oversubscription=2,leaf-gpus=256"
 
 
@@ -100,6 +104,8 @@ def check(topology: Topology) -> str | None:
             return f"leaf_gpus = {value!r} must be a whole number, 0 (one leaf) or more"
         elif f.name == "oversubscription" and value < 1:
             return f"oversubscription = {value!r} must be 1 (non-blocking) or more"
+        elif f.name == "gpu_speed_spread" and not 0 <= value < 0.5:
+            return f"gpu_speed_spread = {value!r} must be a fraction from 0 to below 0.5 (0.03: GPUs differ by 3 %)"
         elif f.name in ("nvlink_bytes_per_s", "nic_bytes_per_s") and value <= 0:
             return f"{f.name} = {value!r} must be more than 0"
     return None

@@ -236,6 +236,10 @@ def cluster_summary_text(cluster, fp8: bool = False) -> str:
               f"{100 * cluster.mfu:.1f}% / {100 * cluster.hfu:.1f}%"],
              ["TFLOP/s per GPU (model FLOPs)", f"{cluster.tflops_per_gpu:.1f}"],
              ["tokens per s per GPU", f"{cluster.tokens_per_s_per_gpu:,.1f}"]]
+    if cluster.gpu_speed_spread:
+        slowest = cluster.slowest_gpu_step_ns
+        lines.append([f"step ms at the slowest of the {gpus} (GPU speeds spread {100 * cluster.gpu_speed_spread:g} %)",
+                      f"{slowest / 1e6:.3f} (+{100 * (slowest / cluster.step_ns - 1):.1f}%)"])
     return tabulate(lines, tablefmt="simple") + "\n"
 
 
