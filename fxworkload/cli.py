@@ -107,6 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--overlap-param-gather", action="store_true",
                       help="ZeRO 1/2 layouts overlap their parameter all-gathers with the next forward (Megatron-LM's "
                            "--overlap-param-gather, on in NeMo's recipes; default: after the optimizer)")
+    plan.add_argument("--offload", action="store_true",
+                      help="also try every ZeRO layout with its optimizer stepped on the host CPU (Megatron-Core's "
+                           "--optimizer-cpu-offload); says which layouts that makes fit and what it costs")
     plan.add_argument("--cp", default="1", help="context-parallel degrees to search, comma-separated (default 1)")
     plan.add_argument("--fp8", action="store_true", help=FP8_HELP)
     plan.add_argument("--dtype", default="bf16", help="parameter and activation dtype: fp32, bf16 or fp16 (default bf16, "
@@ -235,6 +238,10 @@ def _add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
                        help="with --zero 1 or 2: the updated parameters' all-gathers run bucket by bucket under the next "
                             "step's first forward, each waited for where it is first needed (Megatron-LM's "
                             "--overlap-param-gather; default: after the optimizer)")
+    group.add_argument("--optimizer-offload", type=float, default=0.0, metavar="SHARE",
+                       help="with --zero 1-3: step this share (0-1) of each rank's optimizer shard on the host CPU, its "
+                            "Adam moments in host memory (Megatron-Core's --optimizer-cpu-offload "
+                            "--optimizer-offload-fraction); needs a device with a host memory tier")
     group.add_argument("--grad-reduce-after-backward", action="store_true",
                        help="start the gradients' data-parallel reduction when backward ends (Megatron-LM without "
                             "--overlap-grad-reduce; default: bucket by bucket during backward, as PyTorch DDP)")
@@ -255,7 +262,7 @@ def _parallel(args):
                     reshard_after_forward=not args.keep_gathered,
                     overlap_grad_reduce=not args.grad_reduce_after_backward,
                     overlap_param_gather=args.overlap_param_gather, tp_comm_overlap=args.tp_comm_overlap,
-                    fp8_param_gather=args.fp8_param_gather)
+                    fp8_param_gather=args.fp8_param_gather, optimizer_offload=args.optimizer_offload)
 
 
 def _formats(text: str) -> list[str]:
@@ -433,12 +440,14 @@ def run_plan(args) -> int:
     result = plan(args.model, gpus=args.gpus, global_batch=args.global_batch, seq=args.seq, device=args.device,
                   dtype=args.dtype, workers=args.workers, ray=args.ray, progress=True, stack=args.stack,
                   cp=_degrees(args.cp, "--cp"), fp8=args.fp8, topology=args.topology,
-                  overlap_param_gather=args.overlap_param_gather, tp_comm_overlap=args.tp_comm_overlap)
+                  overlap_param_gather=args.overlap_param_gather, tp_comm_overlap=args.tp_comm_overlap,
+                  offload=args.offload)
     text = plan_text(result, args.top)
     out = args.out or Path("outputs") / f"{result['model']}-plan-{args.gpus}"
     return _publish(out, text, {"plan.json": json.dumps(result, indent=1, sort_keys=True) + "\n", "plan.txt": text},
                     {k: result[k] for k in ("model", "gpus", "global_batch", "seq", "dtype", "fp8", "device", "stack",
-                                            "cp", "topology", "overlap_param_gather", "tp_comm_overlap")
+                                            "cp", "topology", "overlap_param_gather", "tp_comm_overlap",
+                                            "optimizer_offload")
                      if k in result})
 
 

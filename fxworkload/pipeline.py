@@ -201,6 +201,10 @@ def extract(model: str, batch: int = 1, seq: int | None = None, dtype: str = "fp
         check_name(name, "--name")
     profile = devices.with_topology(load_device(device, say=print_progress if progress else None), topology)
     devices.check_dtype(profile, dtype)
+    if parallel.optimizer_offload:
+        from .cluster.offload import check_host_tier
+
+        check_host_tier(profile)
     if fp8:
         check_fp8(profile, dtype)
     elif parallel.fp8_param_gather:

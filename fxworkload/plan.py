@@ -58,11 +58,13 @@ class Shape:
 
 def candidate_layouts(gpus: int, global_batch: int, facts, gpus_per_node: int,
                       seq: int | None = None, cps: tuple[int, ...] = (1,),
-                      overlap_param_gather: bool = False, tp_comm_overlap: bool = False) -> tuple[dict, dict[str, int]]:
+                      overlap_param_gather: bool = False, tp_comm_overlap: bool = False,
+                      offload: bool = False) -> tuple[dict, dict[str, int]]:
     """Shape -> its layouts (Parallel), and how many combinations each rule turned away. With ``seq``,
     a tp whose sequence parallelism cannot split the sequence is turned away too. ``overlap_param_gather``:
     every ZeRO 1/2 layout overlaps its parameter gathers with the next forward (Megatron-LM's flag);
-    ``tp_comm_overlap``: every layout with tp > 1 overlaps its blocks' TP collectives with their GEMMs."""
+    ``tp_comm_overlap``: every layout with tp > 1 overlaps its blocks' TP collectives with their GEMMs;
+    ``offload``: every ZeRO 1-3 layout is also tried with its optimizer stepped on the host (cluster/offload.py)."""
     from .parallel.layout import Parallel
 
     dropped = {"tp does not divide the heads or exceeds a node": 0,
@@ -103,11 +105,12 @@ def candidate_layouts(gpus: int, global_batch: int, facts, gpus_per_node: int,
                 if vpp > 1 and (pp == 1 or not fits_chunks or m % pp):
                     dropped["virtual stages do not divide the layers or micro-batches"] += 1
                     continue
-                groups.setdefault(Shape(tp, ep, b, cp), []).append(Parallel(
-                    dp=dp, tp=tp, pp=pp, ep=ep, cp=cp, sp=tp > 1, micro_batches=m, zero=zero, recompute=recompute,
-                    vpp=vpp, vocab_multiple=vocab_multiple, pp_layers=pp_layers,
-                    overlap_param_gather=overlap_param_gather and zero in (1, 2),
-                    tp_comm_overlap=tp_comm_overlap and tp > 1))
+                for share in (0.0, 1.0) if offload and zero else (0.0,):
+                    groups.setdefault(Shape(tp, ep, b, cp), []).append(Parallel(
+                        dp=dp, tp=tp, pp=pp, ep=ep, cp=cp, sp=tp > 1, micro_batches=m, zero=zero, recompute=recompute,
+                        vpp=vpp, vocab_multiple=vocab_multiple, pp_layers=pp_layers,
+                        overlap_param_gather=overlap_param_gather and zero in (1, 2),
+                        tp_comm_overlap=tp_comm_overlap and tp > 1, optimizer_offload=share))
     return groups, dropped
 
 
@@ -175,11 +178,7 @@ def _evaluate_shape(model, shape, layouts, seq, dtype, device, stack, grad_dtype
         workload, regenerated = recomputed[key]
         peak = _peak_bytes(facts, workload, captured, p, shape.micro_batch, seq, dtype, grad_dtype, regenerated, profile)
         fits = peak <= profile.memory_capacity_bytes if profile.memory_capacity_bytes else None
-        row = {"device": profile.name, "tp": p.tp, "cp": p.cp, "pp": p.pp,
-               "pp_layers": list(p.pp_layers) if p.pp_layers else None, "dp": p.dp, "ep": p.ep, "sp": p.sp,
-               "vpp": p.vpp, "zero": p.zero, "fp8": fp8, "recompute": p.recompute,
-               "recompute_layers": p.recompute_layers, "micro_batch": shape.micro_batch,
-               "micro_batches": p.micro_batches, "peak_bytes": peak, "fits": fits}
+        row = _layout_fields(p, profile.name, shape, fp8) | {"peak_bytes": peak, "fits": fits}
         if fits is False and not time_unfit:
             rows.append(row | dict.fromkeys(STEP_FIGURES))
             continue
@@ -196,7 +195,8 @@ def _evaluate_shape(model, shape, layouts, seq, dtype, device, stack, grad_dtype
 STEP_FIGURES = ("parts_ms", "step_ms", "mfu", "hfu", "step_low_ms", "step_high_ms", "tflops_per_gpu",
                 "tokens_per_s_per_gpu", "bubble", "exposed_gather_ms", "slowest_gpu_step_ms")
 _ROW_KEYS = {"device", "tp", "cp", "pp", "pp_layers", "dp", "ep", "sp", "vpp", "zero", "fp8", "recompute",
-             "recompute_layers", "micro_batch", "micro_batches", "peak_bytes", "fits", *STEP_FIGURES}
+             "recompute_layers", "micro_batch", "micro_batches", "optimizer_offload", "peak_bytes", "fits",
+             *STEP_FIGURES}
 
 
 _FLAT = Memo(4096)  # a device's units in one list, once per chunks: rank_memory sums each list once
@@ -245,18 +245,24 @@ def _parts_ms(step) -> dict[str, float]:
 def plan(model: str, gpus: int, global_batch: int, seq: int, device: str = "h100-sxm", dtype: str = "bf16",
          workers: int | None = None, ray: str | None = None, progress: bool = False, stack: str = "eager",
          cp: tuple[int, ...] = (1,), fp8: bool = False, topology: str | None = None,
-         overlap_param_gather: bool = False, tp_comm_overlap: bool = False) -> dict:
+         overlap_param_gather: bool = False, tp_comm_overlap: bool = False, offload: bool = False) -> dict:
     """``device``: one profile name or several, comma-separated (every layout is evaluated on each);
     ``cp``: the context-parallel degrees to search; ``fp8``: every layout trains in FP8 (workload/fp8.py);
     ``topology``: ``--topology key=value,...`` over each device's own network (cost/topology.py);
     ``overlap_param_gather``: ZeRO 1/2 layouts overlap their parameter gathers with the next forward;
-    ``tp_comm_overlap``: layouts with tp > 1 overlap their blocks' TP collectives with the GEMMs."""
+    ``tp_comm_overlap``: layouts with tp > 1 overlap their blocks' TP collectives with the GEMMs;
+    ``offload``: every ZeRO layout is also tried with its optimizer stepped on the host (cluster/offload.py)."""
     from .workload.stacks import check_stack
 
     check_plan_counts(gpus, global_batch)
     check_stack(stack)
     cps = check_cp_degrees(cp)
     profiles = [_plan_device(name, fp8, dtype, topology) for name in _device_names(device)]
+    if offload:
+        from .cluster.offload import check_host_tier
+
+        for profile in profiles:
+            check_host_tier(profile)
     if ray is not None:
         _probe(ray)  # a wrong address is said now, even when every shape is read from the cache
     _raw_config(model)  # an unknown model is said before any worker starts
@@ -266,14 +272,14 @@ def plan(model: str, gpus: int, global_batch: int, seq: int, device: str = "h100
         early = (stack_of_resources.enter_context(_pool(workers or os.cpu_count() or 1))
                  if ray is None and not _facts_cached(model, dtype) else None)
         result = _plan(model, gpus, global_batch, seq, dtype, workers, ray, progress, stack, cps, fp8, profiles, early,
-                       topology, (overlap_param_gather, tp_comm_overlap))
+                       topology, (overlap_param_gather, tp_comm_overlap, offload))
     return result | ({"topology": topology} if topology else {}) | (
         {"overlap_param_gather": True} if overlap_param_gather else {}) | (
-        {"tp_comm_overlap": True} if tp_comm_overlap else {})
+        {"tp_comm_overlap": True} if tp_comm_overlap else {}) | ({"optimizer_offload": True} if offload else {})
 
 
 def _plan(model, gpus, global_batch, seq, dtype, workers, ray, progress, stack, cps, fp8, profiles, early,
-          topology=None, overlaps=(False, False)) -> dict:
+          topology=None, overlaps=(False, False, False)) -> dict:
     if early is not None:
         facts = early.apply(_facts, (model, dtype))
     else:
@@ -303,7 +309,8 @@ def _plan(model, gpus, global_batch, seq, dtype, workers, ray, progress, stack, 
     return {"model": facts.name, "gpus": gpus, "global_batch": global_batch, "seq": seq, "dtype": dtype, "fp8": fp8,
             "stack": stack, "device": ",".join(p.name for p in profiles), "cp": list(cps), "evaluated": len(rows),
             "shapes": len(groups), "dropped": dropped, "ranked": fitting,
-            "why": why_best(fitting) + network_lines(fitting[:1], profiles)}
+            "why": why_best(fitting) + network_lines(fitting[:1], profiles),
+            **({"offload": offload_lines(fitting, rows)} if overlaps[2:] and overlaps[2] else {})}
 
 
 def _order(row: dict) -> tuple:
@@ -312,7 +319,7 @@ def _order(row: dict) -> tuple:
                                        "micro_batch"))
 
 
-CHOICES = ("device", "tp", "cp", "pp", "vpp", "ep", "zero", "recompute", "micro_batch")
+CHOICES = ("device", "tp", "cp", "pp", "vpp", "ep", "zero", "recompute", "micro_batch", "optimizer_offload")
 TIE_MS = 0.5  # step times closer than this are a tie: the summary prints whole milliseconds
 
 
@@ -325,7 +332,7 @@ def rank_key(row: dict) -> tuple:
 def _simplicity(row: dict) -> tuple:
     dimensions = sum(1 for k in ("tp", "cp", "pp", "ep") if row.get(k, 1) > 1)
     return (dimensions, row["zero"], RECOMPUTE.index(row["recompute"]) if row["recompute"] in RECOMPUTE else
-            len(RECOMPUTE), row["vpp"])
+            len(RECOMPUTE), row["vpp"], row.get("optimizer_offload", 0.0))
 
 
 def why_best(ranked: list[dict]) -> list[str]:
@@ -335,8 +342,8 @@ def why_best(ranked: list[dict]) -> list[str]:
     if not ranked:
         return []
     best, lines = ranked[0], []
-    for choice in CHOICES:
-        other = next((r for r in ranked[1:] if r[choice] != best[choice]
+    for choice in (c for c in CHOICES if c in best):
+        other = next((r for r in ranked[1:] if r.get(choice) != best[choice]
                       and all(r.get(c) == best.get(c) for c in CHOICES if c != choice)), None)
         if other is not None:
             lines.append(f"{choice} {best[choice]} over {other[choice]}: " + _difference(best, other, choice))
@@ -353,6 +360,35 @@ def _difference(best: dict, other: dict, choice: str) -> str:
     biggest = sorted(parts.items(), key=lambda kv: -abs(kv[1]))[:2]
     said = ", ".join(f"{name} {'+' if ms >= 0 else '-'}{abs(ms):.0f} ms" for name, ms in biggest if abs(ms) >= 0.5)
     return f"the best {choice} {other[choice]} layout is {slower_ms:.0f} ms slower ({said or 'by rounding'})"
+
+
+def offload_lines(ranked: list[dict], rows: list[dict]) -> list[str]:
+    """Which layouts only the optimizer's offload makes fit, and what it costs the best of them: its step against
+    its twin's (the same layout with the optimizer on the GPU, which does not fit), the optimizer's part of each."""
+    def twin_key(row: dict) -> tuple:
+        return tuple(str(row.get(k)) for k in (*CHOICES, "dp", "pp_layers", "recompute_layers") if k != "optimizer_offload")
+
+    on_gpu = {twin_key(r): r for r in rows if not r.get("optimizer_offload")}
+    made_fit = [(r, on_gpu[twin_key(r)]) for r in ranked
+                if r.get("optimizer_offload") and twin_key(r) in on_gpu and on_gpu[twin_key(r)]["fits"] is False]
+    if not made_fit:
+        offloaded = sum(1 for r in ranked if r.get("optimizer_offload"))
+        return [f"offload: makes no layout fit that does not fit without it ({offloaded:,} offloaded layouts fit)"]
+    best, twin = made_fit[0]
+    rank = ranked.index(best) + 1
+    over_gib = (twin["peak_bytes"] - best["peak_bytes"]) / 2 ** 30
+    lines = [f"offload: {len(made_fit):,} layouts fit only with the optimizer on the host; the best of them "
+             f"(#{rank}: tp {best['tp']} cp {best['cp']} pp {best['pp']} dp {best['dp']} zero {best['zero']}, "
+             f"recompute {best['recompute']}, mbs {best['micro_batch']}) holds {over_gib:.1f} GiB less on the GPU"]
+    if twin["step_ms"] is not None:
+        lines.append(f"offload: its step {best['step_ms']:.0f} ms against {twin['step_ms']:.0f} ms on the GPU "
+                     f"(optimizer {best['parts_ms']['optimizer']:.0f} ms against {twin['parts_ms']['optimizer']:.0f} ms)")
+    else:
+        lines.append(f"offload: its step {best['step_ms']:.0f} ms, {best['parts_ms']['optimizer']:.0f} ms of it the "
+                     "optimizer on the host")
+    if ranked and not ranked[0].get("optimizer_offload"):
+        lines.append(f"offload: the fastest layout keeps its optimizer on the GPU ({ranked[0]['step_ms']:.0f} ms)")
+    return lines
 
 
 def network_lines(best: list[dict], profiles) -> list[str]:
@@ -561,7 +597,7 @@ def _layout_fields(p, device: str, shape, fp8: bool) -> dict:
             "pp_layers": list(p.pp_layers) if p.pp_layers else None, "dp": p.dp, "ep": p.ep, "sp": p.sp,
             "vpp": p.vpp, "zero": p.zero, "fp8": fp8, "recompute": p.recompute,
             "recompute_layers": p.recompute_layers, "micro_batch": shape.micro_batch,
-            "micro_batches": p.micro_batches}
+            "micro_batches": p.micro_batches, "optimizer_offload": p.optimizer_offload}
 
 
 def _number(value) -> bool:

@@ -36,6 +36,7 @@ from ..workload.table import Workload
 from .network import comm_ns, p2p_ns
 from .schedule import BACKWARD, Pass, timelines
 from .zero3 import Group, compute_share_lost, simulate_pass
+from .offload import offloaded_step_ns
 from .stragglers import slowest_step_ns
 
 # Adam touches per parameter: the fp32 master copy and both moments, read and written (2 x 12 bytes
@@ -297,7 +298,7 @@ def _after_the_passes(layout: tuple, workload: Workload, p: Parallel, dtype: str
     gathers: once per device and data-parallel side in a layout search (its units are the memoised ones)."""
     chunks, with_dp = layout
     key = (id(chunks), id(with_dp), id(workload), id(device), p.zero, p.replicas, p.dp, p.ep, dtype, grad_dtype,
-           p.overlap_param_gather, p.tp, p.cp, p.sp, p.cp_comm)
+           p.overlap_param_gather, p.tp, p.cp, p.sp, p.cp_comm, p.optimizer_offload)
 
     def make() -> tuple[float, float]:
         optimizer = _optimizer_ns(chunks, p, dtype, grad_dtype, device) + _fp8_weight_cast_ns(chunks, workload, device)
@@ -516,5 +517,10 @@ def _optimizer_ns(chunks: list[list[Unit]], p: Parallel, dtype: str, grad_dtype:
         parameters /= p.replicas
     states = ADAM_BYTES_PER_PARAMETER["fp32" if dtype == "fp32" else "mixed"]
     per_parameter = OPTIMIZER_PASSES * states + DTYPES[grad_dtype].itemsize + DTYPES[dtype].itemsize
-    return parameters * per_parameter / (device.memory_bytes_per_s * device.memory_efficiency) * 1e9
-
+    on_gpu_ns = parameters * (1 - p.optimizer_offload) * per_parameter / (
+        device.memory_bytes_per_s * device.memory_efficiency) * 1e9
+    if not p.optimizer_offload:
+        return on_gpu_ns
+    # the offloaded share pipelines its copies and CPU steps over the parameters, beside the GPU's share
+    stages = offloaded_step_ns(parameters * p.optimizer_offload, DTYPES[grad_dtype].itemsize, device)
+    return max(on_gpu_ns, *stages.values())

@@ -61,6 +61,10 @@ class DeviceProfile:
     gpu_model_parameters: dict[str, float] = field(default_factory=dict)
     power_limit_w: float = 0.0  # the board's power limit (TDP), W; 0 = not given
     process_nm: float = 0.0  # the GPU die's process node, nm (TSMC 4N/4NP count as 5); 0 = not given
+    # The host memory tier, one GPU's share (offload, cluster/offload.py); 0 = not given:
+    host_link_bytes_per_s: float = 0.0  # the GPU's link to host memory, one direction (PCIe, NVLink-C2C)
+    host_memory_bytes_per_s: float = 0.0  # its share of the host's DRAM bandwidth
+    host_memory_capacity_bytes: int = 0  # its share of the host's memory
     # The network this GPU sits in (cost/topology.py), any of Topology's fields; the rest from the figures above
     topology: dict = field(default_factory=dict)
 
@@ -261,7 +265,8 @@ def _bad_figure(profile: DeviceProfile) -> str | None:
         if not number(value) or value <= 0:
             return f"{name} = {value!r} is not a positive finite number"
     for name in ("intra_node_bytes_per_s", "inter_node_bytes_per_s", "kernel_launch_ns", "sm_count", "l2_bytes",
-                 "memory_capacity_bytes", "power_limit_w", "process_nm"):
+                 "memory_capacity_bytes", "power_limit_w", "process_nm", "host_link_bytes_per_s",
+                 "host_memory_bytes_per_s", "host_memory_capacity_bytes"):
         value = getattr(profile, name)
         if not number(value) or value < 0:
             return f"{name} = {value!r} must be a finite number, 0 or more"

@@ -16,7 +16,8 @@ def plan_text(result: dict, top: int = 10) -> str:
              f"{r['step_ms']:.1f}", f"{100 * r['mfu']:.1f}%", f"{r['tflops_per_gpu']:.0f}",
              f"{r['tokens_per_s_per_gpu']:,.0f}", f"{100 * r['bubble']:.1f}%",
              f"{r['exposed_gather_ms']:.1f}" if r["zero"] == 3 else "-",
-             f"{r['peak_bytes'] / 2 ** 30:.1f}", "~" if r.get("overlaps_best") else ""] for i, r in enumerate(ranked)]
+             f"{r['peak_bytes'] / 2 ** 30:.1f}" + ("*" if r.get("optimizer_offload") else ""),
+             "~" if r.get("overlaps_best") else ""] for i, r in enumerate(ranked)]
     precision = f"{result['dtype']}{' + fp8 GEMMs' if result.get('fp8') else ''}"
     head = (f"{result['model']} on {result['gpus']} x {result['device']}, global batch {result['global_batch']} x seq "
             f"{result['seq']}, {precision}, stack {result['stack']}, cp {','.join(map(str, result['cp']))}: "
@@ -29,7 +30,7 @@ def plan_text(result: dict, top: int = 10) -> str:
         dropped = (f"~best: {close - 1:,} more layouts' 90 % intervals overlap the best's "
                    f"({best['step_low_ms']:.0f}-{best['step_high_ms']:.0f} ms): the estimates cannot order them\n"
                    + dropped)
-    why = "\n".join(f"why: {line}" for line in result.get("why", []))
+    why = "\n".join([*(f"why: {line}" for line in result.get("why", [])), *result.get("offload", [])])
     table = tabulate(rows, headers=["#", *(["device"] if several else []), "tp", "cp", "pp", "vpp", "dp", "ep", "sp",
                                     "zero", "recompute", "mbs", "mb", "step_ms", "mfu", "tflops", "tok/s/gpu",
                                     "bubble", "zero3_gather_ms", "peak_gib", "~best"], tablefmt="simple")

@@ -44,6 +44,9 @@ class Parallel:
     # --fp8: ZeRO's parameter all-gathers move the FP8 linear weights in FP8, one byte each (Megatron-LM's
     # --fp8-param-gather, which also keeps those weights in FP8; torchao's FSDP2 float8 all-gather under ZeRO 3)
     fp8_param_gather: bool = False
+    # the share of each rank's optimizer shard stepped on the host CPU, its Adam moments in host memory
+    # (Megatron-Core's --optimizer-cpu-offload --optimizer-offload-fraction: HybridDeviceOptimizer)
+    optimizer_offload: float = 0.0
 
     @property
     def world(self) -> int:
@@ -93,6 +96,12 @@ def check_values(parallel: Parallel) -> None:
     if p.overlap_param_gather and p.zero not in (1, 2):
         raise UserError("--overlap-param-gather overlaps ZeRO 1/2's parameter all-gathers with the next forward: "
                         "it needs --zero 1 or 2 (ZeRO 3 gathers beside every pass already)")
+    if not isinstance(p.optimizer_offload, (int, float)) or not 0 <= p.optimizer_offload <= 1:
+        raise UserError(f"--optimizer-offload is the share of the optimizer stepped on the host, 0 to 1; got "
+                        f"{p.optimizer_offload}")
+    if p.optimizer_offload and p.zero == 0:
+        raise UserError("--optimizer-offload offloads the distributed optimizer's shard (Megatron-Core's "
+                        "--optimizer-cpu-offload needs --use-distributed-optimizer): it needs --zero 1, 2 or 3")
     if p.fp8_param_gather and p.zero == 0:
         raise UserError("--fp8-param-gather moves ZeRO's parameter all-gathers in FP8: it needs --zero 1, 2 or 3")
     if p.cp_comm not in CP_COMMS:

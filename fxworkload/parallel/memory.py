@@ -25,6 +25,11 @@ from .units import is_expert
 from ..workload.table import Workload
 
 ADAM_BYTES_PER_PARAMETER = {"mixed": 12, "fp32": 8}  # fp32 master copy + two moments; two moments
+# The optimizer offloaded to the host (cluster/offload.py): per offloaded parameter the GPU frees Adam's two fp32
+# moments (its fp32 main parameter stays, the host's result copied back into it); the host holds an fp32 copy
+# and both moments
+MOMENTS_BYTES_PER_PARAMETER = 8
+HOST_COPY_BYTES_PER_PARAMETER = 12
 
 
 @dataclass(frozen=True)
@@ -40,6 +45,7 @@ class RankMemory:
     capacity_bytes: int  # the device's memory; 0 where the profile has none (CPU)
     gathered_parameters_bytes: int = 0  # ZeRO 3 --keep-gathered: every unit's gathered parameters, forward to backward
     fp8_weights_bytes: int = 0  # --fp8: the FP8 copies of the rank's linear weights and their transposes (2 bytes each)
+    host_bytes: int = 0  # --optimizer-offload: the offloaded share's host copy, moments and pinned gradients
 
     @property
     def fits(self) -> bool | None:
@@ -78,11 +84,24 @@ def rank_memory(p: Parallel, rank_units: list, workload: Workload, dtype: str, g
     # several: its parts, added
     step_peak = workload.step_peak_bytes - dropped + regenerated_bytes if p.pp == 1 else (
         saved + transient + elements * grad_size)
+    states, host = _offloaded(states, p.optimizer_offload, dtype, grad_size)
     return RankMemory(parameters_bytes=states[0], gradients_bytes=states[1], optimizer_bytes=states[2],
                       activations_bytes=activations, transient_bytes=transient, step_peak_bytes=step_peak,
                       total_peak_bytes=sum(states) + gathered + fp8_weights + activations + transient,
                       micro_batches_in_flight=in_flight, capacity_bytes=capacity_bytes, gathered_parameters_bytes=gathered,
-                      fp8_weights_bytes=fp8_weights)
+                      fp8_weights_bytes=fp8_weights, host_bytes=host)
+
+
+def _offloaded(states: tuple[int, int, int], share: float, dtype: str, grad_size: int) -> tuple[tuple, int]:
+    """Model states on the GPU and bytes on the host when ``share`` of the optimizer shard is stepped on the
+    host (cluster/offload.py): the GPU frees the offloaded parameters' two moments; the host holds their
+    fp32 copy, moments and a pinned gradient buffer."""
+    if not share:
+        return states, 0
+    adam = ADAM_BYTES_PER_PARAMETER["fp32" if dtype == "fp32" else "mixed"]
+    offloaded = int(share * states[2] / adam)  # parameters of the shard stepped on the host
+    on_gpu = states[2] - offloaded * MOMENTS_BYTES_PER_PARAMETER
+    return (states[0], states[1], on_gpu), offloaded * (HOST_COPY_BYTES_PER_PARAMETER + grad_size)
 
 
 # a layout search asks for the memory of the same device's units under every ZeRO stage and schedule
@@ -132,6 +151,7 @@ def describe_fit(memory: RankMemory, device_name: str) -> str:
     if memory.fits is None:
         return f"{total:.2f} GiB (device '{device_name}' states no memory capacity)"
     capacity = memory.capacity_bytes / 2 ** 30
+    host = f"; {memory.host_bytes / 2 ** 30:.2f} GiB on the host (offloaded optimizer)" if memory.host_bytes else ""
     if memory.fits:
-        return f"{total:.2f} GiB of {capacity:.1f} GiB: fits, {capacity - total:.2f} GiB free"
-    return f"{total:.2f} GiB of {capacity:.1f} GiB: does NOT fit, {total - capacity:.2f} GiB over"
+        return f"{total:.2f} GiB of {capacity:.1f} GiB: fits, {capacity - total:.2f} GiB free{host}"
+    return f"{total:.2f} GiB of {capacity:.1f} GiB: does NOT fit, {total - capacity:.2f} GiB over{host}"
