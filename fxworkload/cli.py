@@ -107,6 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--overlap-param-gather", action="store_true",
                       help="ZeRO 1/2 layouts overlap their parameter all-gathers with the next forward (Megatron-LM's "
                            "--overlap-param-gather, on in NeMo's recipes; default: after the optimizer)")
+    plan.add_argument("--plot", action="store_true",
+                      help="also write plan.png: every layout that fits, step time against peak memory, the Pareto "
+                           "front and the best with its 90 %% interval (needs matplotlib)")
     plan.add_argument("--offload", action="store_true",
                       help="also try every ZeRO layout with its optimizer stepped on the host CPU (Megatron-Core's "
                            "--optimizer-cpu-offload); says which layouts that makes fit and what it costs")
@@ -432,6 +435,10 @@ def run_plan(args) -> int:
 
     _check_top(args.top)
     _check_out(args)
+    if args.plot:
+        from .figures import pyplot
+
+        pyplot()  # a missing matplotlib is said now, not after the minutes the plan takes
     check_plan_counts(args.gpus, args.global_batch)
     check_settings(1, args.seq, args.dtype)
     if args.workers is not None and args.workers < 1:
@@ -444,7 +451,12 @@ def run_plan(args) -> int:
                   offload=args.offload)
     text = plan_text(result, args.top)
     out = args.out or Path("outputs") / f"{result['model']}-plan-{args.gpus}"
-    return _publish(out, text, {"plan.json": json.dumps(result, indent=1, sort_keys=True) + "\n", "plan.txt": text},
+    files = {"plan.json": json.dumps(result, indent=1, sort_keys=True) + "\n", "plan.txt": text}
+    if args.plot:
+        from .formats.plan_plot import plan_png
+
+        files["plan.png"] = plan_png(result)
+    return _publish(out, text, files,
                     {k: result[k] for k in ("model", "gpus", "global_batch", "seq", "dtype", "fp8", "device", "stack",
                                             "cp", "topology", "overlap_param_gather", "tp_comm_overlap",
                                             "optimizer_offload")

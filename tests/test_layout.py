@@ -11,7 +11,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "fxworkload"
 
 # Each part may import only parts of a lower level; capture and cost are independent of each other,
 # and so are measure and formats.
-LEVEL = {"errors": 0, "records": 0.1, "store": 0.2, "names": 0.25, "limits": 0.25, "inputs": 0.25, "progress": 0.25, "fingerprint": 0.25, "memo": 0.25, "dtypes": 0.5, "capture": 1, "cost": 1, "workload": 2, "parallel": 3, "cluster": 3.5,
+LEVEL = {"errors": 0, "records": 0.1, "store": 0.2, "names": 0.25, "limits": 0.25, "inputs": 0.25, "progress": 0.25, "fingerprint": 0.25, "memo": 0.25, "figures": 0.25, "dtypes": 0.5, "capture": 1, "cost": 1, "workload": 2, "parallel": 3, "cluster": 3.5,
          "measure": 4, "formats": 4, "pipeline": 5, "plan": 5.5, "cli": 6, "start": 6.5, "__main__": 7, "__init__": 7}
 
 

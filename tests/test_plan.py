@@ -420,3 +420,22 @@ def test_plan_overlap_options_hide_what_they_overlap(four_layers, tmp_path, flag
             assert overlapped["step_ms"] <= alone["step_ms"] + 1e-9
         else:
             assert overlapped["step_ms"] == alone["step_ms"]
+
+
+def test_the_pareto_front_keeps_the_layouts_no_other_beats_on_both_time_and_memory():
+    """By hand: (memory GiB, step ms) = (10, 300), (20, 200), (25, 250), (30, 200), (40, 100): (25, 250) is beaten
+    by (20, 200) on both, (30, 200) ties (20, 200)'s time with more memory; the front is the other three."""
+    from fxworkload.formats.plan_plot import pareto_front
+
+    rows = [{"peak_bytes": gib * 2 ** 30, "step_ms": ms} for gib, ms in ((40, 100), (25, 250), (10, 300), (30, 200),
+                                                                          (20, 200))]
+    assert [(r["peak_bytes"] // 2 ** 30, r["step_ms"]) for r in pareto_front(rows)] == [(10, 300), (20, 200), (40, 100)]
+
+
+def test_plan_plot_writes_the_same_png_twice(four_layers, tmp_path):
+    args = ["plan", four_layers, "--gpus", 2, "--global-batch", 4, "--seq", 16, "--workers", 1, "--plot"]
+    for name in ("a", "b"):
+        assert in_process(*args, "--out", tmp_path / name).returncode == 0
+    png = (tmp_path / "a" / "plan.png").read_bytes()
+    assert png.startswith(b"\x89PNG\r\n\x1a\n") and png == (tmp_path / "b" / "plan.png").read_bytes()
+    assert "plan.png" in (tmp_path / "a" / "manifest.json").read_text()

@@ -8,7 +8,6 @@ for the CPU. An op that shapes or row names show to come from another step is an
 
 from __future__ import annotations
 
-import io
 import json
 import math
 import statistics
@@ -21,6 +20,7 @@ from tabulate import tabulate
 
 from ..capture.trace import PHASES
 from ..errors import UserError
+from ..figures import png_bytes, pyplot
 from ..inputs import load_json, read_input
 from ..cost.flops import KINDS
 
@@ -399,13 +399,7 @@ def comparison_json(comparison: Comparison) -> str:
 
 def plot_png(comparison: Comparison) -> bytes:
     """Estimated vs measured ms per op, log-log, one colour per op kind, with the y = x line, as PNG bytes."""
-    try:
-        import matplotlib
-    except ImportError:
-        raise UserError("--plot needs matplotlib: pip install 'fxworkload[plot]' (make run installs it)") from None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     points = [p for p in comparison.pairs if p.estimated_ns > 0 and p.measured_ns > 0]
     figure, axes = plt.subplots(figsize=(7, 6), dpi=120)
     for kind in KINDS:
@@ -424,9 +418,4 @@ def plot_png(comparison: Comparison) -> bytes:
     settings = comparison.measured_settings
     axes.set_title(f"{settings.get('model')} B={settings.get('batch')} S={settings.get('seq')} "
                    f"{settings.get('dtype')}: estimated vs measured per op", fontsize=10)
-    axes.legend(fontsize=8)
-    figure.tight_layout()
-    buffer = io.BytesIO()
-    figure.savefig(buffer, format="png", metadata={"Software": None})
-    plt.close(figure)
-    return buffer.getvalue()
+    return png_bytes(figure, axes)
