@@ -48,6 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
                               "fused attention kernel that GPU chooses), cpu, or cuda (no GPU needed)")
     extract.add_argument("--no-cache", action="store_true",
                          help="capture again even if this step was captured before (and do not cache it)")
+    extract.add_argument("--no-dropout", action="store_true",
+                         help="every dropout of the model off, as a loop runs it in eval mode (from_pretrained leaves "
+                              "the model so until model.train()); match a measured loop that never called model.train()")
     extract.add_argument("--every-layer", action="store_true",
                          help="trace every decoder layer instead of one layer standing for all identical ones")
     extract.add_argument("--format", default="tables",
@@ -321,6 +324,7 @@ def _extract(args, set_stage) -> int:
     result = extract(args.model, batch=args.batch, seq=args.seq, dtype=args.dtype, grad_dtype=args.grad_dtype,
                      device=args.device, size_unit=args.size_unit, trace_on=args.trace_on,
                      use_cache=not args.no_cache, every_layer=args.every_layer, progress=True, parallel=parallel,
+                     dropout=not args.no_dropout,
                      name=args.name, stack=args.stack, fp8=args.fp8, topology=args.topology)
     set_stage(f"writing {', '.join(formats)} of {result.name}")
     summary = result.summary(args.top, formats)

@@ -19,7 +19,7 @@ import torch
 
 from . import __version__
 from .capture.attention import GpuTarget
-from .capture.builtin import locate
+from .capture.builtin import locate, without_dropout
 from .cost import devices
 from .cost.devices import DeviceProfile
 from .dtypes import DTYPES
@@ -180,7 +180,7 @@ def extract(model: str, batch: int = 1, seq: int | None = None, dtype: str = "fp
             trace_on: str = "auto", use_cache: bool = True, every_layer: bool = False,
             progress: bool = False, parallel: Parallel | None = None, name: str | None = None,
             stack: str = "eager", fp8: bool = False, rank_view: bool = True,
-            topology: str | None = None) -> Extraction:
+            topology: str | None = None, dropout: bool = True) -> Extraction:
     """One training step of ``model`` (a built-in name, checkpoint folder, config.json or cached
     HuggingFace id), costed on ``device``; ``name`` replaces the model's name in the outputs.
     ``trace_on`` is whose dispatch the graph follows: ``auto`` (the device profile's: a GPU profile
@@ -190,6 +190,8 @@ def extract(model: str, batch: int = 1, seq: int | None = None, dtype: str = "fp
     ``stack`` the execution stack whose kernels and saved activations are costed (workload/stacks.py);
     ``fp8``: the decoder layers' linear GEMMs in FP8 as Transformer Engine runs them (workload/fp8.py).
     ``topology``: ``--topology key=value,...`` over the device's own network (cost/topology.py).
+    ``dropout=False``: every dropout probability of the config 0, as a loop runs the model in eval mode
+    (``from_pretrained``'s, until ``model.train()``).
     ``rank_view=False`` stops at the costed step (a ``CostedStep``: what a layout search evaluates
     its layouts from), without the rank's units and memory for ``parallel``."""
     grad_dtype = dtype if grad_dtype is None else grad_dtype
@@ -223,7 +225,8 @@ def extract(model: str, batch: int = 1, seq: int | None = None, dtype: str = "fp
     start = time.perf_counter()
     located_name, config_path, _ = locate(model)
     name = located_name if name is None else name
-    cache_key = graph_cache.key(_raw_config(config_path), batch, seq, dtype, grad_dtype, traced_on,
+    raw_config = _raw_config(config_path)
+    cache_key = graph_cache.key(raw_config if dropout else without_dropout(raw_config), batch, seq, dtype, grad_dtype, traced_on,
                                 shards=(parallel.tp, parallel.ep), vocab_multiple=parallel.vocab_multiple,
                                 every_layer=every_layer, stack=stack)
     cached = graph_cache.load(cache_key, ModelFacts) if use_cache else None
@@ -233,7 +236,8 @@ def extract(model: str, batch: int = 1, seq: int | None = None, dtype: str = "fp
         check_positions(cached.facts, cached.seq * parallel.cp)
         workload, seq, facts = cached.workload, cached.seq, cached.facts
     else:
-        workload, seq, facts = _capture(model, batch, seq, dtype, grad_dtype, gpu, every_layer, say, parallel, stack)
+        workload, seq, facts = _capture(model, batch, seq, dtype, grad_dtype, gpu, every_layer, say, parallel, stack,
+                                        dropout)
         say(f"captured {len(workload.ops())} ops in {time.perf_counter() - start:.1f} s")
         if use_cache:
             graph_cache.save(cache_key, graph_cache.CachedStep(workload=workload, seq=seq, facts=facts))
@@ -253,6 +257,7 @@ def extract(model: str, batch: int = 1, seq: int | None = None, dtype: str = "fp
     workload, regenerated_bytes = with_recompute(workload, parallel, facts.stack, facts.layers, layer_input_bytes)
     settings = {"model": facts.name, "model_type": facts.model_type, "task": facts.task,
                 "batch": batch, "seq": whole_seq, "seq_per_rank": seq, "dtype": dtype, "fp8": fp8, "stack": stack, "grad_dtype": grad_dtype, "device": profile.name,
+                "dropout": dropout,
                 "traced_on": traced_on, "size_unit": size_unit, "parallel": parallel.as_dict(),
                 "fxworkload_version": __version__, "torch_version": torch.__version__,
                 "transformers_version": metadata.version("transformers")}
@@ -284,7 +289,7 @@ def _raw_config(path) -> dict:
     return data if isinstance(data, dict) else {"not_an_object": str(path)}
 
 
-def _capture(model, batch, seq, dtype, grad_dtype, gpu, every_layer, say, parallel, stack):
+def _capture(model, batch, seq, dtype, grad_dtype, gpu, every_layer, say, parallel, stack, dropout=True):
     """Resolve with transformers, check the layout, and capture: (workload, seq, facts)."""
     from .capture import models
     from .capture.models import step_seq
@@ -295,6 +300,8 @@ def _capture(model, batch, seq, dtype, grad_dtype, gpu, every_layer, say, parall
     from .workload.table import build
 
     spec = _with_padded_vocab(models.resolve(model), parallel.vocab_multiple, parallel.tp)
+    if not dropout:
+        spec = models.spec_without_dropout(spec)
     if parallel.cp > 1:  # the rank's tokens are captured; the whole sequence must fit the model's positions
         step_seq(spec, seq * parallel.cp)
     seq = step_seq(spec, seq)

@@ -68,3 +68,15 @@ def cached_snapshot(repo_id: str) -> Path | None:
 
     found = try_to_load_from_cache(repo_id, "config.json", cache_dir=hub_cache_dir())
     return Path(found).parent if isinstance(found, str) else None
+
+
+def is_dropout_setting(name: str, value) -> bool:
+    """A config entry that is a dropout probability: attn_pdrop, hidden_dropout_prob, attention_dropout, ..."""
+    return ("dropout" in name or "pdrop" in name) and isinstance(value, float)
+
+
+def without_dropout(settings: dict) -> dict:
+    """A config's entries (nested configs too) with every dropout probability 0: the step a loop runs with the
+    model in eval mode, as ``from_pretrained`` leaves it until ``model.train()``."""
+    return {k: 0.0 if is_dropout_setting(k, v) else without_dropout(v) if isinstance(v, dict) else v
+            for k, v in settings.items()}

@@ -6,8 +6,9 @@ checkpoint folder, or a path to a ``config.json``. Nothing is ever downloaded.
 
 from __future__ import annotations
 
+import copy
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -19,7 +20,7 @@ from transformers.models.auto.modeling_auto import (
     AutoModelForMaskedLM,
 )
 
-from .builtin import locate
+from .builtin import is_dropout_setting, locate
 from ..errors import UserError
 from ..limits import MAX_LAYERS
 
@@ -113,6 +114,15 @@ def task_of(config: PretrainedConfig) -> str:
         return MASKED_LM
     raise UserError(f"unsupported architecture '{config.model_type}': it has no causal-LM or masked-LM "
                     "head in transformers; use a language model")
+
+
+def spec_without_dropout(spec: ModelSpec) -> ModelSpec:
+    config = copy.deepcopy(spec.config)
+    for holder in [config, *(v for v in vars(config).values() if isinstance(v, PretrainedConfig))]:
+        for name, value in list(vars(holder).items()):
+            if is_dropout_setting(name, value):
+                setattr(holder, name, 0.0)
+    return replace(spec, config=config)
 
 
 def _auto_class(spec: ModelSpec):

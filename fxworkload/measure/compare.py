@@ -58,6 +58,8 @@ class Comparison:
     step_peak_bytes: tuple[int | None, int | None] = (None, None)  # estimated, measured (GPU runs only)
     trace: dict | None = None  # a profiler trace's totals: attributed_fraction, unattributed_ns, ...
     measured_warning: str | None = None  # why the measured op timings are not to be trusted (profile's own check)
+    estimated_optimizer_ns: float | None = None  # the estimate's optimizer step (its cluster step's), to set a trace's against
+    estimated_dropout_ops: int = 0  # the estimate's dropout kernels (native_dropout, bernoulli_)
 
 
 def load_document(path: Path, expected_name: str) -> dict:
@@ -206,7 +208,14 @@ def compare(estimated: dict, measured: dict) -> Comparison:
         step_peak_bytes=(estimated.get("totals", {}).get("step_peak_bytes"),
                          measured.get("totals", {}).get("step_peak_bytes")),
         estimated_settings=estimated.get("settings", {}), measured_settings=measured.get("settings", {}),
-        trace=measured.get("trace"), measured_warning=_measured_warning(measured.get("totals", {})))
+        trace=measured.get("trace"), measured_warning=_measured_warning(measured.get("totals", {})),
+        estimated_optimizer_ns=((estimated.get("cluster") or {}).get("exposed_ns") or {}).get("optimizer"),
+        estimated_dropout_ops=sum(1 for row in estimated_rows for op in _ops_of(row)
+                                  if op.get("op", "").startswith(("aten.native_dropout", "aten.bernoulli_"))))
+
+
+def _ops_of(row: dict) -> list[dict]:
+    return [row["forward"], *(row.get("input_grad") or []), *(row.get("weight_grad") or [])]
 
 
 def _measured_warning(totals: dict) -> str | None:
@@ -322,6 +331,7 @@ def report_text(comparison: Comparison, top: int = 15) -> str:
                      "the phase totals above but in no op pair below; extract with the measurement's device and "
                      "--trace-on to pair them")
     notes += _trace_notes(comparison.trace, e_settings)
+    notes += _own_loop_notes(comparison)
     if comparison.measured_warning:  # the verdict first: the errors above compare with noise
         notes.insert(0, "VERDICT: not a comparison: the measured side failed its own check ("
                      + comparison.measured_warning.removeprefix("WARNING: ") + "); the errors above are that noise, "
@@ -356,9 +366,68 @@ def _trace_notes(trace: dict | None, estimated: dict) -> list[str]:
     if trace["communication_ns"]:
         notes.append(f"communication (nccl kernels, c10d ops): {trace['communication_ns'] / 1e6:.3f} ms per step")
     lost = list(trace["unattributed_ns"].items())
-    if lost:
-        named = ", ".join(f"{name} {ns / 1e6:.3f} ms" for name, ns in lost[:5])
-        notes.append(f"tied to no graph node: {sum(ns for _, ns in lost) / 1e6:.3f} ms per step, largest: {named}")
+    if lost:  # each is listed with its reason below (_own_loop_notes)
+        notes.append(f"tied to no graph node: {sum(ns for _, ns in lost) / 1e6:.3f} ms per step, each below with why")
+    return notes
+
+
+# What a training loop as HF users write it runs beside the step's graph, by the trace's op name: the reason
+# an op of the trace is tied to no node (checked in this order; the first that matches names it).
+UNTIED_REASONS = (
+    ("optimizer step", "the optimizer, set against the estimate's above"),
+    ("aten::dropout", "dropout called with the model in eval mode: it returns its input, no kernel"),
+    ("aten::empty", "a tensor made outside the step's graph (the batch, a buffer)"),
+    ("aten::lift_fresh", "a tensor made outside the step's graph (the batch, a buffer)"),
+    ("aten::cat", "the KV cache the model builds while use_cache is on (a training loop can pass use_cache=False)"),
+    ("CatBackward0", "the KV cache's concatenation, differentiated"),
+    ("aten::ones_like", "the loss gradient's seed, loss.backward()'s first op"),
+    ("aten::zero_", "zero_grad(set_to_none=False), or a gradient buffer zeroed"),
+    ("aten::detach_", "autograd's bookkeeping of a leaf, outside the step's graph"),
+    ("aten::to", "a copy of the batch to the device, or a dtype cast outside the model"),
+    ("aten::copy_", "a copy of the batch to the device, or a dtype cast outside the model"),
+    ("(kernels no op launched)", "GPU kernels with no CPU op above them (NCCL, cudaMemcpy)"),
+)
+
+
+def untied_reason(name: str) -> str:
+    return next((why for key, why in UNTIED_REASONS if key in name),
+                "an op the estimate's graph has no node for: another kernel choice, or work outside the model's "
+                "step (data loading, logging)")
+
+
+def own_loop(comparison: Comparison) -> dict | None:
+    """A user's own trace against the estimate: the optimizer set against the estimate's, every op tied to no
+    node with its reason, and whether the loop ran its dropouts off where the estimate trains with them."""
+    trace = comparison.trace
+    if not trace:
+        return None
+    lost = trace["unattributed_ns"]
+    optimizer_ns = sum(ns for name, ns in lost.items() if name.startswith("optimizer step"))
+    set_against = trace["attributed_ns"] + (optimizer_ns if comparison.estimated_optimizer_ns else 0.0)
+    return {"optimizer_measured_ns": optimizer_ns or None, "optimizer_estimated_ns": comparison.estimated_optimizer_ns,
+            "set_against_fraction": set_against / trace["total_ns"] if trace["total_ns"] else 0.0,
+            "untied": [{"name": name, "ns": ns, "reason": untied_reason(name)} for name, ns in lost.items()],
+            "dropout_off_in_measured": bool(trace.get("dropout_calls") and not trace.get("dropout_kernels")
+                                            and comparison.estimated_dropout_ops
+                                            and comparison.estimated_settings.get("dropout", True))}
+
+
+def _own_loop_notes(comparison: Comparison) -> list[str]:
+    found = own_loop(comparison)
+    if found is None:
+        return []
+    notes = []
+    if found["dropout_off_in_measured"]:
+        notes.append("the measured loop ran its dropouts off (the model in eval mode: from_pretrained leaves it so "
+                     "until model.train()), the estimate trains with them: call model.train() in the loop, or "
+                     "extract with --no-dropout to compare the same step")
+    measured, estimated = found["optimizer_measured_ns"], found["optimizer_estimated_ns"]
+    if measured and estimated:
+        notes.append(f"optimizer step: measured {measured / 1e6:.3f} ms, estimated {estimated / 1e6:.3f} ms "
+                     f"({_pct(relative_error(estimated, measured), True)}); with it, "
+                     f"{_pct(found['set_against_fraction'])} of the trace's {comparison.trace['unit']} time is set "
+                     "against the estimate")
+    notes += [f"  untied {u['ns'] / 1e6:.3f} ms {u['name']}: {u['reason']}" for u in found["untied"]]
     return notes
 
 
@@ -393,7 +462,8 @@ def comparison_json(comparison: Comparison) -> str:
         "phases": overall(comparison), "kinds": kind_summary(comparison),
         "time_weighted_error": time_weighted_error(comparison), "unpaired_ops": comparison.unpaired_ops,
         "attributed_fraction": trace.get("attributed_fraction"), "trace": trace or None,
-        "measured_warning": comparison.measured_warning, "nodes": list(rows.values()), "ops": pairs}
+        "measured_warning": comparison.measured_warning, "own_loop": own_loop(comparison),
+        "nodes": list(rows.values()), "ops": pairs}
     return json.dumps(document, indent=1, sort_keys=True) + "\n"
 
 

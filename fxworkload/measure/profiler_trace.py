@@ -79,6 +79,10 @@ class TraceAttribution:
     steps: int
     device: str
     unmarked_steps: int = 0  # training steps found in a trace without ProfilerStep markers (read as one)
+    # dropout as the loop ran it, per step: calls to aten::dropout, and the kernels a training-mode dropout runs
+    # (native_dropout, or bernoulli_ on the CPU); calls without kernels: the model was in eval mode
+    dropout_calls: float = 0.0
+    dropout_kernels: float = 0.0
 
     @property
     def attributed_ns(self) -> float:
@@ -382,7 +386,19 @@ def attribute(path: Path, rows: list[dict]) -> TraceAttribution:
         op_ns=_median_over_steps([s.op_ns for s in per_step]), rest_ns=_median_over_steps([s.rest_ns for s in per_step]),
         unattributed_ns=dict(unattributed), communication_ns=statistics.fmean(s.communication_ns for s in per_step),
         total_ns=statistics.fmean(s.total_ns for s in per_step), unit="kernel" if gpu else "cpu op",
-        steps=len(per_step), device=device, unmarked_steps=unmarked)
+        steps=len(per_step), device=device, unmarked_steps=unmarked,
+        dropout_calls=_per_step(events, DROPOUT_CALLS, len(per_step)),
+        dropout_kernels=_per_step(events, DROPOUT_KERNELS, len(per_step)))
+
+
+DROPOUT_CALLS = ("aten::dropout", "aten::feature_dropout")
+DROPOUT_KERNELS = ("aten::native_dropout", "aten::bernoulli_")
+
+
+def _per_step(events: list[Event], names: tuple[str, ...], steps: int) -> float:
+    """How many of these ops the trace's profiled steps ran, per step (a warm-up outside ProfilerStep left out)."""
+    count = sum(1 for e in events if e.category == "cpu_op" and e.name in names and (e.step >= 0 or steps == 1))
+    return count / max(steps, 1)
 
 
 @dataclass
@@ -593,6 +609,6 @@ def measured_document(path: Path, estimated: dict) -> dict:
     trace = {"path": str(path), "unit": found.unit, "steps": found.steps, "total_ns": found.total_ns,
              "attributed_ns": found.attributed_ns, "attributed_fraction": found.attributed_fraction,
              "communication_ns": found.communication_ns, "unmarked_steps": found.unmarked_steps,
-             "device": found.device,
+             "device": found.device, "dropout_calls": found.dropout_calls, "dropout_kernels": found.dropout_kernels,
              "unattributed_ns": dict(sorted(found.unattributed_ns.items(), key=lambda kv: -kv[1]))}
     return {"settings": settings, "rows": measured_rows, "totals": {}, "trace": trace, "path": str(path)}

@@ -346,3 +346,50 @@ def test_compare_explains_a_trace_it_cannot_read_as_meant(traced, tiny_dirs, tmp
     run = fxworkload("compare", single, folder / "trace.json", "--out", tmp_path / "c1")
     report = (tmp_path / "c1" / "comparison.txt").read_text()
     assert "WARNING" not in report  # one step, traced as it ran: nothing to explain
+
+
+def test_a_users_own_loop_is_set_against_the_estimate_with_every_untied_op_named(tiny_dirs, tmp_path):
+    """The issue's loop as HF users write it: a checkpoint loaded with from_pretrained (eval mode, so no dropout
+    runs), AdamW, zero_grad, use_cache at its default, schedule(wait=1, warmup=1, active=3), prof.step(). compare
+    says the loop ran without dropout and names --no-dropout; extracted so, the trace's own op time (its JSON,
+    the oracle) is tied to graph nodes or to the optimizer the estimate prices for at least 95 %, and every op
+    tied to no node is listed with its reason (the KV cache's cat among them)."""
+    from transformers import AutoModelForCausalLM as Auto
+
+    checkpoint = tmp_path / "checkpoint"
+    torch.manual_seed(0)
+    Auto.from_config(tiny_config("gpt2", attn_pdrop=0.1, resid_pdrop=0.1, embd_pdrop=0.1)).save_pretrained(checkpoint)
+    model = Auto.from_pretrained(checkpoint)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    ids = torch.randint(0, model.config.vocab_size, (BATCH, SEQ))
+    trace = tmp_path / "trace.json"
+    schedule = torch.profiler.schedule(wait=1, warmup=1, active=3)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True, schedule=schedule,
+                                on_trace_ready=lambda p: p.export_chrome_trace(str(trace))) as prof:
+        for _ in range(5):
+            model(input_ids=ids, labels=ids).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            prof.step()
+    reports = {}
+    for dropout in (True, False):
+        estimated = tmp_path / f"estimated-{dropout}"
+        extract(str(checkpoint), batch=BATCH, seq=SEQ, trace_on="cpu", device="cpu", dropout=dropout).write(
+            estimated, ["tables"])
+        run = fxworkload("compare", estimated, trace, "--out", tmp_path / f"compared-{dropout}")
+        assert run.returncode == 0, run.stderr
+        reports[dropout] = (run.stdout, json.loads((tmp_path / f"compared-{dropout}" / "comparison.json").read_text()))
+    assert "extract with --no-dropout" in reports[True][0] and "--no-dropout" not in reports[False][0]
+    report, document = reports[False]
+    own_ns = sum(op["dur"] for op in top_level_ops(trace)) * 1e3 / 3  # the trace's top-level CPU ops, per step
+    trace_totals = document["trace"]
+    assert trace_totals["total_ns"] == pytest.approx(own_ns, rel=0.02)
+    optimizer_ns = sum(ns for name, ns in trace_totals["unattributed_ns"].items() if name.startswith("optimizer"))
+    assert optimizer_ns > 0 and "optimizer step: measured" in report
+    assert (trace_totals["attributed_ns"] + optimizer_ns) / own_ns >= 0.95
+    untied = [line for line in report.splitlines() if line.startswith("  untied ")]
+    assert len(untied) == len(trace_totals["unattributed_ns"]) and all(": " in line for line in untied)
+    assert any("aten::cat" in line and "use_cache" in line for line in untied)
+    own = document["own_loop"]
+    assert own["set_against_fraction"] >= 0.95 and len(own["untied"]) == len(untied)
+    assert reports[True][1]["own_loop"]["dropout_off_in_measured"] and not own["dropout_off_in_measured"]
