@@ -12,7 +12,7 @@ import json
 import math
 import statistics
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import zip_longest
 from pathlib import Path
 
@@ -60,6 +60,8 @@ class Comparison:
     measured_warning: str | None = None  # why the measured op timings are not to be trusted (profile's own check)
     estimated_optimizer_ns: float | None = None  # the estimate's optimizer step (its cluster step's), to set a trace's against
     estimated_dropout_ops: int = 0  # the estimate's dropout kernels (native_dropout, bernoulli_)
+    # (side, op, kind, estimated ns) of each op on one side only, the side that has it
+    unpaired: list = field(default_factory=list)
 
 
 def load_document(path: Path, expected_name: str) -> dict:
@@ -190,7 +192,7 @@ def _has_op_times(document: dict, time_key: str) -> bool:
 
 def compare(estimated: dict, measured: dict) -> Comparison:
     check_same_step(estimated, measured)
-    pairs, unpaired = [], 0
+    pairs, unpaired, one_sided = [], 0, []
     estimated_rows, measured_rows = _node_rows(estimated), _node_rows(measured)
     for index, (e_row, m_row) in enumerate(zip_longest(estimated_rows, measured_rows), start=1):
         if e_row is None or m_row is None or e_row["name"] != m_row["name"]:
@@ -200,8 +202,9 @@ def compare(estimated: dict, measured: dict) -> Comparison:
             row_pairs, row_unpaired = _pair_ops(e_row, m_row, phase, index)
             pairs += row_pairs
             unpaired += row_unpaired
+            one_sided += _unpaired(e_row, m_row, phase)
     return Comparison(
-        pairs=pairs, unpaired_ops=unpaired,
+        pairs=pairs, unpaired_ops=unpaired, unpaired=one_sided,
         estimated_ns={p: sum(r[f"{p}_estimated_ns"] for r in estimated_rows) for p in PHASES},
         measured_ns={p: sum(r[f"{p}_measured_ns"] for r in measured_rows) for p in PHASES},
         eager_step_ns=measured.get("totals", {}).get("eager_step_ns"),
@@ -248,6 +251,31 @@ def _by_kind(ops: list[dict]) -> dict[tuple[str, int], dict]:
         keyed[(op["kind"], seen[op["kind"]])] = op
         seen[op["kind"]] += 1
     return keyed
+
+
+def _unpaired(e_row: dict, m_row: dict, phase: str) -> list[tuple[str, str, str, float]]:
+    """(side, op, kind, estimated ns) of each op of the row's phase that only one side has."""
+    estimated, measured = _by_kind(_ops(e_row, phase)), _by_kind(_ops(m_row, phase))
+    return ([("estimate", estimated[k]["op"], estimated[k]["kind"], estimated[k]["estimated_ns"])
+             for k in estimated if k not in measured]
+            + [("measurement", measured[k]["op"], measured[k]["kind"], 0.0) for k in measured if k not in estimated])
+
+
+# Why an op is on one side only, by side and op (checked in order; the first that matches says it)
+UNPAIRED_REASONS = (
+    ("estimate", ("getitem", "aten.detach", "aten.view", "aten.alias", "aten.t.", "aten.transpose"),
+     "a view or a tuple index: no kernel, nothing for the trace to time"),
+    ("estimate", ("aten.add.Tensor",), "autograd's sum of a tensor's gradients from its several uses, which the "
+                                       "trace files under the autograd engine rather than this row"),
+    ("estimate", ("aten.ones_like",), "the loss gradient's seed: the trace runs it first in backward, among the untied"),
+    ("estimate", ("aten.mm", "aten.addmm", "aten.bmm"), "a GEMM the trace did not run in this row with these shapes "
+                                                         "(another kernel choice, or its time tied elsewhere)"),
+)
+
+
+def unpaired_reason(side: str, op: str) -> str:
+    return next((why for s, ops, why in UNPAIRED_REASONS if s == side and op.startswith(ops)),
+                "the other side ran no such op in this row: another kernel choice, or one fused into its neighbour")
 
 
 def _pair_ops(e_row: dict, m_row: dict, phase: str, index: int) -> tuple[list[OpPair], int]:
@@ -326,10 +354,11 @@ def report_text(comparison: Comparison, top: int = 15) -> str:
                      f"{measured_peak / 2 ** 20:.1f} MiB (max_memory_allocated), "
                      f"{_pct(relative_error(estimated_peak, measured_peak), True)}")
     if comparison.unpaired_ops:
-        notes.append(f"{comparison.unpaired_ops} ops ran on one side only (the estimate's graph and the measured step "
-                     "chose different kernels for them, e.g. another attention backend or a fused op): they count in "
-                     "the phase totals above but in no op pair below; extract with the measurement's device and "
-                     "--trace-on to pair them")
+        notes.append(f"{comparison.unpaired_ops} ops ran on one side only: they count in the phase totals above but in "
+                     "no op pair below; each kind with why (a kernel choice that differs: extract with the "
+                     "measurement's device and --trace-on):")
+        notes += [f"  unpaired {count} x {op} ({side} only, {ns / 1e6:.3f} ms estimated): {unpaired_reason(side, op)}"
+                  for (side, op), (count, ns) in unpaired_groups(comparison)]
     notes += _trace_notes(comparison.trace, e_settings)
     notes += _own_loop_notes(comparison)
     if comparison.measured_warning:  # the verdict first: the errors above compare with noise
@@ -412,6 +441,15 @@ def own_loop(comparison: Comparison) -> dict | None:
                                             and comparison.estimated_settings.get("dropout", True))}
 
 
+def unpaired_groups(comparison: Comparison) -> list[tuple[tuple[str, str], tuple[int, float]]]:
+    """The one-sided ops by (side, op): count and estimated ns, the costliest first."""
+    groups: dict[tuple[str, str], list] = defaultdict(lambda: [0, 0.0])
+    for side, op, _, ns in comparison.unpaired:
+        groups[(side, op)][0] += 1
+        groups[(side, op)][1] += ns
+    return sorted(((key, tuple(value)) for key, value in groups.items()), key=lambda kv: (-kv[1][1], -kv[1][0], kv[0]))
+
+
 def _own_loop_notes(comparison: Comparison) -> list[str]:
     found = own_loop(comparison)
     if found is None:
@@ -463,6 +501,8 @@ def comparison_json(comparison: Comparison) -> str:
         "time_weighted_error": time_weighted_error(comparison), "unpaired_ops": comparison.unpaired_ops,
         "attributed_fraction": trace.get("attributed_fraction"), "trace": trace or None,
         "measured_warning": comparison.measured_warning, "own_loop": own_loop(comparison),
+        "unpaired": [{"side": side, "op": op, "count": count, "estimated_ns": ns, "reason": unpaired_reason(side, op)}
+                     for (side, op), (count, ns) in unpaired_groups(comparison)],
         "nodes": list(rows.values()), "ops": pairs}
     return json.dumps(document, indent=1, sort_keys=True) + "\n"
 

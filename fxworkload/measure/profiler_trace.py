@@ -290,7 +290,9 @@ def align(events: list[Event], ops: list[GraphOp], depth: int = 0) -> dict[int, 
     """Event index -> the graph op it ran. Matches are kept; the unmatched events between two
     matches are opened into the ops they called and aligned with the graph ops between the same two."""
     matched: dict[int, GraphOp] = {}
-    pairs = common_subsequence([short_name(e.name) for e in events], [o.name for o in ops])
+    with_shapes = bool(events) and all(e.shapes is not None for e in events)
+    pairs = common_subsequence([_match_key(short_name(e.name), e.shapes, with_shapes) for e in events],
+                               [_match_key(o.name, o.shapes, with_shapes) for o in ops])
     event_at = op_at = 0
     for a, b in [*pairs, (len(events), len(ops))]:
         gap_ops = ops[op_at:b]
@@ -301,6 +303,35 @@ def align(events: list[Event], ops: list[GraphOp], depth: int = 0) -> dict[int, 
             matched[events[a].index] = ops[b]
         event_at, op_at = a + 1, b + 1
     return matched
+
+
+# GEMMs are matched by name and operand shapes where the trace recorded shapes: autograd's MmBackward0 runs the
+# weight's gradient before the input's (Functions.cpp), where the graph lists the input's first, so by name
+# alone the two would swap (lm_head's weight-gradient GEMM, the costliest, among them).
+SHAPED_MATCH = frozenset({"mm", "bmm", "addmm", "baddbmm"})
+
+
+def _gemms_by_shape(root: Event, ops: list[GraphOp], found: dict[int, GraphOp]) -> dict[int, GraphOp]:
+    """The row's GEMMs the in-order alignment left unmatched, paired with the root's unmatched GEMM events of the
+    same name and operand shapes, in whatever order autograd ran them (see SHAPED_MATCH)."""
+    taken = {id(op) for op in found.values()}
+    waiting = [op for op in ops if op.name in SHAPED_MATCH and id(op) not in taken and op.shapes is not None]
+    paired: dict[int, GraphOp] = {}
+    stack = list(root.children)
+    while stack and waiting:
+        event = stack.pop(0)
+        stack[:0] = _cpu_children(event)
+        if event.index in found or short_name(event.name) not in SHAPED_MATCH or event.shapes is None:
+            continue
+        same = next((op for op in waiting if op.name == short_name(event.name) and op.shapes == event.shapes), None)
+        if same is not None:
+            paired[event.index] = same
+            waiting.remove(same)
+    return paired
+
+
+def _match_key(name: str, shapes, with_shapes: bool) -> str:
+    return f"{name}{shapes}" if with_shapes and name in SHAPED_MATCH and shapes is not None else name
 
 
 # Above this many cells the longest common subsequence table would not fit in memory: difflib's
@@ -441,7 +472,9 @@ def _attribute_step(roots: list[Event], forward_ops: list[GraphOp], backward_ops
     for root in backward_roots:
         row = creator_row.get(root.sequence)
         if row is not None and backward_ops[row]:
-            matched.update(align(root.children, backward_ops[row]))
+            found = align(root.children, backward_ops[row])
+            matched.update(found)
+            matched.update(_gemms_by_shape(root, backward_ops[row], found))
         if root.name.endswith("AccumulateGrad") and last_row is not None:
             accumulated_by[root.index] = last_row
         last_row = row if row is not None else last_row
