@@ -57,7 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
                          help="what to write, comma-separated: tables (workload.tsv, nodes.tsv, workload.json), "
                               "simai (workload.simai.txt), chrome-trace (workload.trace.json), chakra (workload.<rank>.et, "
                               "one Chakra execution trace per rank, and workload.comm_groups.json, ASTRA-sim's "
-                              "--comm-group-configuration); default tables")
+                              "--comm-group-configuration), html (report.html: the summary, a chart of where the step's "
+                              "time goes, the costliest nodes; one page to open in a browser); default tables")
     _add_parallel_arguments(extract)
     extract.add_argument("--out", type=_out_dir, default=None,
                          help="output folder, replaced whole by this run (default outputs/<name>/)")

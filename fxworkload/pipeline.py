@@ -43,7 +43,7 @@ from .workload.stacks import check_stack
 from .workload.table import Workload, recost
 
 
-FORMATS = ("tables", "simai", "chrome-trace", "chakra")
+FORMATS = ("tables", "simai", "chrome-trace", "chakra", "html")
 
 
 @dataclass
@@ -119,7 +119,16 @@ class Extraction:
         if "chakra" in formats:
             from .formats.chakra import chakra_files
             files.update(chakra_files(self.cluster))
+        if "html" in formats:
+            from .formats.html_report import report_html
+            files["report.html"] = report_html(self.workload, self.settings, self.summary(10, formats))
         return files
+
+    def _repr_html_(self) -> str:
+        """A notebook's view of the extraction: its costliest nodes with their FLOPs, bytes and ms."""
+        from .formats.html_report import nodes_table_html
+
+        return nodes_table_html(self.workload)
 
     def to_pandas(self):
         """The nodes that do work as a pandas DataFrame (formats.tables.node_records: times in ms, FLOPs, bytes),
