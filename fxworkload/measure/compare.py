@@ -308,7 +308,9 @@ def kind_summary(comparison: Comparison) -> list[dict]:
         summary.append({"kind": kind, "count": len(pairs),
                         "estimated_ns": sum(p.estimated_ns for p in pairs),
                         "measured_ns": sum(p.measured_ns for p in pairs),
-                        "median_abs_error": statistics.median(errors) if errors else None})
+                        "median_abs_error": statistics.median(errors) if errors else None,
+                        # a few long ops outweigh many short ones here, as they do in the step
+                        "time_weighted_error": _weighted(pairs)})
     return summary
 
 
@@ -330,8 +332,12 @@ def overall(comparison: Comparison) -> list[dict]:
 
 def time_weighted_error(comparison: Comparison) -> float | None:
     """Σ |estimated − measured| / Σ measured over every paired op."""
-    measured = sum(p.measured_ns for p in comparison.pairs)
-    return sum(abs(p.estimated_ns - p.measured_ns) for p in comparison.pairs) / measured if measured else None
+    return _weighted(comparison.pairs)
+
+
+def _weighted(pairs: list[OpPair]) -> float | None:
+    measured = sum(p.measured_ns for p in pairs)
+    return sum(abs(p.estimated_ns - p.measured_ns) for p in pairs) / measured if measured else None
 
 
 def _pct(fraction: float | None, signed: bool = False) -> str:
@@ -366,7 +372,7 @@ def report_text(comparison: Comparison, top: int = 15) -> str:
                      + comparison.measured_warning.removeprefix("WARNING: ") + "); the errors above are that noise, "
                      "not the estimate's")
     kinds = [[k["kind"], k["count"], f"{k['estimated_ns'] / 1e6:.3f}", f"{k['measured_ns'] / 1e6:.3f}",
-              _pct(k["median_abs_error"])] for k in kind_summary(comparison)]
+              _pct(k["median_abs_error"]), _pct(k["time_weighted_error"])] for k in kind_summary(comparison)]
     longest = sorted(comparison.pairs, key=lambda p: p.measured_ns, reverse=True)
     ops = [[p.row, p.phase, p.op, f"{p.estimated_ns / 1e6:.4f}", f"{p.measured_ns / 1e6:.4f}",
             "-" if p.ratio is None else f"{p.ratio:.2f}"] for p in (longest[:top] if top > 0 else longest)]
@@ -374,7 +380,8 @@ def report_text(comparison: Comparison, top: int = 15) -> str:
         head,
         tabulate(spans, headers=["span", "estimated_ms", "measured_ms", "error"], tablefmt="simple"),
         "\n".join(notes),
-        tabulate(kinds, headers=["kind", "ops", "estimated_ms", "measured_ms", "median_abs_error"], tablefmt="simple"),
+        tabulate(kinds, headers=["kind", "ops", "estimated_ms", "measured_ms", "median_abs_error", "time_weighted_error"],
+                 tablefmt="simple"),
         f"{'All' if top <= 0 else f'The {len(ops)} longest'} ops by measured time:\n" + tabulate(
             ops, headers=["row", "phase", "op", "estimated_ms", "measured_ms", "ratio"], tablefmt="simple"),
     ]) + "\n"
