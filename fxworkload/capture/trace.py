@@ -24,6 +24,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from ..errors import UserError
+from ..progress import set_stage, stage
 from .attention import GpuTarget, dispatch_for, eager_attention_tagged
 
 FORWARD = "forward"
@@ -66,14 +67,16 @@ def capture_training_step(model: torch.nn.Module, batch: int, seq: int, device: 
         state = dict(zip(names, values))
         out = torch.func.functional_call(model, state, (input_ids,), {"labels": input_ids})
         loss = out.loss
+        set_stage(f"{progress_head}: backward")
         _set_custom({_PHASE_KEY: "backward"})
         _label_grad_fns(loss.grad_fn)
         grads = torch.autograd.grad(loss, values[:n_params], allow_unused=True)
         _set_custom({})
         return loss, grads
 
+    progress_head = stage()
     with fx_traceback.preserve_node_meta(), _module_stack_recorder(model), _trace_friendly(model), \
-            dispatch_for(gpu), eager_attention_tagged(model):
+            dispatch_for(gpu), eager_attention_tagged(model), _layer_progress(model, progress_head):
         try:
             gm = make_fx(training_step, tracing_mode="fake")(values, input_ids)
         except Exception as exc:  # any failure inside the model's own code
@@ -82,6 +85,26 @@ def capture_training_step(model: torch.nn.Module, batch: int, seq: int, device: 
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     parameter_nodes = dict(zip(list(parameters), placeholders[:n_params]))
     return _label(gm, parameter_nodes)
+
+
+@contextlib.contextmanager
+def _layer_progress(model: torch.nn.Module, head: str):
+    """While the step is traced, the run's stage says which decoder layer the forward has reached (the
+    heartbeat's line every 10 s names it: a long capture shows where it is)."""
+    stacks = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]
+    layers = list(max(stacks, key=len)) if stacks else []
+    index = {id(layer): i for i, layer in enumerate(layers)}
+
+    def reached(module, args):  # as _module_stack_recorder: the global hook, which every module call runs
+        if id(module) in index:
+            set_stage(f"{head}: forward, layer {index[id(module)] + 1} of {len(layers)}")
+
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(reached)
+    try:
+        yield
+    finally:
+        handle.remove()
+        set_stage(head)
 
 
 def _fake_like(t: torch.Tensor, device: str, requires_grad: bool) -> torch.Tensor:
