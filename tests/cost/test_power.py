@@ -92,3 +92,24 @@ def test_the_gpus_of_the_cross_gpu_data_take_its_fit_and_the_h100_keeps_its_own(
     for key, value in h100.as_dict().items():
         if key not in across:
             assert getattr(profile.gpu_model(), key) == value
+
+
+# The host memory tier, one GPU's share, as the systems' datasheets state it: (link GB/s each way, host DRAM GB/s,
+# host memory GB). DGX H100/H200: two Xeon 8480C (8 channels of DDR5-4800, 307.2 GB/s each), 2 TB, PCIe Gen5
+# x16 per GPU; DGX B200: two Xeon 8570 (8 x DDR5-5600, 358.4 GB/s each), 2 TB; DGX A100: two EPYC 7742 (8 x
+# DDR4-3200, 204.8 GB/s each), 2 TB (1 TB for the 40 GB system), PCIe Gen4; GB200 NVL72: a Grace (480 GB of
+# LPDDR5X at 512 GB/s) for two GPUs over NVLink-C2C, 900 GB/s both ways.
+HOST_TIERS = {"h100-sxm": (64, 2 * 307.2 / 8, 2048 / 8), "h200": (64, 2 * 307.2 / 8, 2048 / 8),
+              "b200": (64, 2 * 358.4 / 8, 2048 / 8), "a100-80gb": (32, 2 * 204.8 / 8, 2048 / 8),
+              "a100-40gb": (32, 2 * 204.8 / 8, 1024 / 8), "gb200": (450, 512 / 2, 480 / 2)}
+
+
+@pytest.mark.parametrize("name", sorted(HOST_TIERS))
+def test_each_host_tier_holds_its_systems_datasheet_share(name):
+    link, dram, capacity = HOST_TIERS[name]
+    profile = devices.load(name)
+    assert profile.host_link_bytes_per_s == pytest.approx(link * 1e9)
+    assert profile.host_memory_bytes_per_s == pytest.approx(dram * 1e9)
+    assert profile.host_memory_capacity_bytes == pytest.approx(capacity * 1e9)
+    assert all(profile.sources.get(k) for k in ("host_link_bytes_per_s", "host_memory_bytes_per_s",
+                                                 "host_memory_capacity_bytes"))
