@@ -41,6 +41,10 @@ def build_parser() -> argparse.ArgumentParser:
     extract.add_argument("--stack", default="eager", help=STACK_HELP)
     extract.add_argument("--topology", default=None, metavar="KEY=VALUE,...", help=TOPOLOGY_HELP)
     extract.add_argument("--fp8", action="store_true", help=FP8_HELP)
+    extract.add_argument("--fp8-recipe", default="te", metavar="RECIPE",
+                         help="with --fp8: te (Transformer Engine: amax in the cast's pass, FP8 weights kept a step; "
+                              "default) or torchao (torchao's Float8Linear as torchtitan runs it: dynamic tensor-wise "
+                              "scaling, an amax pass before each cast, weights cast in every forward)")
     extract.add_argument("--size-unit", choices=["bytes", "elements"], default="bytes",
                          help="unit of the gradient all-reduce sizes in workload.tsv (default bytes)")
     extract.add_argument("--trace-on", default="auto",
@@ -326,7 +330,8 @@ def _extract(args, set_stage) -> int:
                      device=args.device, size_unit=args.size_unit, trace_on=args.trace_on,
                      use_cache=not args.no_cache, every_layer=args.every_layer, progress=True, parallel=parallel,
                      dropout=not args.no_dropout,
-                     name=args.name, stack=args.stack, fp8=args.fp8, topology=args.topology)
+                     name=args.name, stack=args.stack, fp8=args.fp8, topology=args.topology,
+                     fp8_recipe=args.fp8_recipe)
     set_stage(f"writing {', '.join(formats)} of {result.name}")
     summary = result.summary(args.top, formats)
     return _publish(args.out or Path("outputs") / result.name, summary, result.files(formats), result.settings)

@@ -38,7 +38,7 @@ from .parallel.context_parallel import with_context_parallel
 from .parallel.sequence_parallel import with_sequence_parallel
 from .progress import say as print_progress
 from .workload import cache as graph_cache
-from .workload.fp8 import check_fp8, with_fp8
+from .workload.fp8 import check_fp8, check_recipe, with_fp8
 from .workload.stacks import check_stack
 from .workload.table import Workload, recost
 
@@ -189,7 +189,7 @@ def extract(model: str, batch: int = 1, seq: int | None = None, dtype: str = "fp
             trace_on: str = "auto", use_cache: bool = True, every_layer: bool = False,
             progress: bool = False, parallel: Parallel | None = None, name: str | None = None,
             stack: str = "eager", fp8: bool = False, rank_view: bool = True,
-            topology: str | None = None, dropout: bool = True) -> Extraction:
+            topology: str | None = None, dropout: bool = True, fp8_recipe: str = "te") -> Extraction:
     """One training step of ``model`` (a built-in name, checkpoint folder, config.json or cached
     HuggingFace id), costed on ``device``; ``name`` replaces the model's name in the outputs.
     ``trace_on`` is whose dispatch the graph follows: ``auto`` (the device profile's: a GPU profile
@@ -199,6 +199,7 @@ def extract(model: str, batch: int = 1, seq: int | None = None, dtype: str = "fp
     ``stack`` the execution stack whose kernels and saved activations are costed (workload/stacks.py);
     ``fp8``: the decoder layers' linear GEMMs in FP8 as Transformer Engine runs them (workload/fp8.py).
     ``topology``: ``--topology key=value,...`` over the device's own network (cost/topology.py).
+    ``fp8_recipe``: with ``fp8``, whose FP8 scaling runs: ``te`` (Transformer Engine) or ``torchao`` (workload/fp8.py).
     ``dropout=False``: every dropout probability of the config 0, as a loop runs the model in eval mode
     (``from_pretrained``'s, until ``model.train()``).
     ``rank_view=False`` stops at the costed step (a ``CostedStep``: what a layout search evaluates
@@ -218,6 +219,9 @@ def extract(model: str, batch: int = 1, seq: int | None = None, dtype: str = "fp
         check_host_tier(profile)
     if fp8:
         check_fp8(profile, dtype)
+        check_recipe(fp8_recipe)
+    elif fp8_recipe != "te":
+        raise UserError(f"--fp8-recipe {fp8_recipe} says how FP8 GEMMs are scaled: it needs --fp8")
     elif parallel.fp8_param_gather:
         raise UserError("--fp8-param-gather gathers the FP8 linear weights: it needs --fp8")
     gpu = trace_target(trace_on, profile)
@@ -258,7 +262,7 @@ def extract(model: str, batch: int = 1, seq: int | None = None, dtype: str = "fp
         with_sequence_parallel(recost(workload, profile), parallel, facts.stack, facts.row_parallel,
                                profile.kernel_launch_ns), parallel)
     if fp8:
-        workload = captured = with_fp8(workload, profile, facts.stack)
+        workload = captured = with_fp8(workload, profile, facts.stack, fp8_recipe)
     if not rank_view:
         return CostedStep(facts=facts, workload=captured, device=profile, seq_per_rank=seq)
     captured_saved_bytes = workload.saved_bytes
@@ -266,7 +270,7 @@ def extract(model: str, batch: int = 1, seq: int | None = None, dtype: str = "fp
     workload, regenerated_bytes = with_recompute(workload, parallel, facts.stack, facts.layers, layer_input_bytes)
     settings = {"model": facts.name, "model_type": facts.model_type, "task": facts.task,
                 "batch": batch, "seq": whole_seq, "seq_per_rank": seq, "dtype": dtype, "fp8": fp8, "stack": stack, "grad_dtype": grad_dtype, "device": profile.name,
-                "dropout": dropout,
+                "dropout": dropout, **({"fp8_recipe": fp8_recipe} if fp8 else {}),
                 "traced_on": traced_on, "size_unit": size_unit, "parallel": parallel.as_dict(),
                 "fxworkload_version": __version__, "torch_version": torch.__version__,
                 "transformers_version": metadata.version("transformers")}

@@ -502,8 +502,8 @@ def _zero3_groups_of(units: list[Unit], phase: str, p: Parallel, device: DeviceP
 def _fp8_weight_cast_ns(chunks: list[list[Unit]], workload: Workload, device: DeviceProfile) -> float:
     """--fp8: the device's FP8 linear weights cast (with their transposes) once per step after the optimizer
     (Transformer Engine keeps them for every micro-batch of the next step): the same weights its memory
-    holds FP8 copies of (parallel/memory.py)."""
-    if not workload.fp8_modules:
+    holds FP8 copies of (parallel/memory.py). torchao's recipe casts them in every forward instead."""
+    if not workload.fp8_modules or not workload.fp8_weights_kept:
         return 0.0
     from ..workload.fp8 import CAST_BYTES_PER_ELEMENT
 

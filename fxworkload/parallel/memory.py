@@ -76,7 +76,8 @@ def rank_memory(p: Parallel, rank_units: list, workload: Workload, dtype: str, g
     # shard (the gathered unit's FP8 weights are transient, as its 16-bit ones are). With --fp8-param-gather
     # under ZeRO 1/2 (Megatron-LM) the weights themselves are kept in FP8: 1 byte less each, and only the
     # transposes beside them
-    fp8_weights = 2 * fp8_here // (p.replicas if p.zero == 3 else 1)
+    # torchao's recipe keeps no FP8 copy between steps (workload/fp8.py): its casts are transient
+    fp8_weights = 2 * fp8_here // (p.replicas if p.zero == 3 else 1) if workload.fp8_weights_kept else 0
     if p.fp8_param_gather and p.zero in (1, 2):
         states = (states[0] - fp8_here * (DTYPES[dtype].itemsize - 1), *states[1:])
         fp8_weights = fp8_here

@@ -24,7 +24,14 @@ ZeRO's parameter all-gathers move the FP8 weights in FP8 with ``--fp8-param-gath
 (parallel/collectives.py ``parameter_bytes``; Megatron-LM's flag of that name, which under ZeRO 1/2
 also keeps the weights in FP8, and torchao's FSDP2 float8 all-gather under ZeRO 3).
 
-Not modelled: delayed scaling's amax history.
+``--fp8-recipe torchao`` runs torchao's Float8Linear as torchtitan enables it (dynamic tensor-wise scaling,
+torchao/float8/float8_linear.py): each operand's scale is its amax taken just before its cast, a reduction
+over the whole tensor that must end before the cast starts, so every cast reads its 16-bit tensor twice
+(amax, then the cast with its transpose: 2 + 2 read, 1 + 1 written per element); and the weights are cast
+the same way in every forward (no FP8 copy kept from step to step), so they cost no memory between steps
+and no cast after the optimizer.
+
+Not modelled: delayed scaling's amax history; torchao's row-wise scaling.
 """
 
 from __future__ import annotations
@@ -40,6 +47,10 @@ from .layers import layer_of
 from .table import NodeRow, OpCost, Workload
 
 CAST_BYTES_PER_ELEMENT = 2 + 1 + 1  # read a 16-bit value, write its FP8 cast and the cast's transpose
+# Bytes per element of one operand's cast, by recipe: Transformer Engine's cast_transpose takes the amax in the
+# same pass; torchao's dynamic scaling reads the tensor once more for its amax first.
+RECIPE_CAST_BYTES = {"te": CAST_BYTES_PER_ELEMENT, "torchao": 2 + CAST_BYTES_PER_ELEMENT}
+FP8_RECIPES = tuple(RECIPE_CAST_BYTES)
 
 
 def check_fp8(device: DeviceProfile, dtype: str) -> None:
@@ -52,15 +63,24 @@ def check_fp8(device: DeviceProfile, dtype: str) -> None:
         raise UserError(f"--fp8 times GEMMs with the GPU model: device '{device.name}' is not a GPU profile")
 
 
-def with_fp8(workload: Workload, device: DeviceProfile, stack: str | None) -> Workload:
+def check_recipe(recipe: str) -> str:
+    if recipe not in FP8_RECIPES:
+        raise UserError(f"unknown --fp8-recipe {recipe!r}: use te (Transformer Engine) or torchao (torchao's "
+                        "Float8Linear, dynamic tensor-wise scaling)")
+    return recipe
+
+
+def with_fp8(workload: Workload, device: DeviceProfile, stack: str | None, recipe: str = "te") -> Workload:
     """The table with its decoder layers' linear GEMMs in FP8 (and their casts); the rest as it was."""
+    per_element = RECIPE_CAST_BYTES[check_recipe(recipe)]
+    weights_each_forward = recipe == "torchao"  # no FP8 copy kept: the weight cast in every forward
     retimed: dict[int, OpCost] = {}
 
     def fp8(op: OpCost, cast_elements: int) -> OpCost:
         if op.gemm_mkn is None or op.sdpa_backend:
             return op
         if id(op) not in retimed:
-            cast_bytes = cast_elements * CAST_BYTES_PER_ELEMENT
+            cast_bytes = cast_elements * per_element
             cast_ns = memory_ns(cast_bytes, device.gpu_facts(), device.gpu_model(), casts=True) if cast_bytes else 0.0
             retimed[id(op)] = replace(op, gemm_dtype="fp8", bytes=op.bytes + cast_bytes,
                                       estimated_ns=gpu_op_ns(op, device, "fp8") + cast_ns)
@@ -79,12 +99,15 @@ def with_fp8(workload: Workload, device: DeviceProfile, stack: str | None) -> Wo
         if previous is None or previous[0] != elements:  # not a sibling of the last linear: find its input
             _save_input_in_fp8(rows, row, elements, stack, halved)
         previous = (elements, len(rows))
-        rows.append(row.with_ops(fp8(row.forward, m * k), [fp8(op, m * n if op.gemm_mkn else 0) for op in row.input_grad],
+        weight_elements = k * n * row.forward.gemm_batch if weights_each_forward else 0
+        rows.append(row.with_ops(fp8(row.forward, m * k + weight_elements),
+                                 [fp8(op, m * n if op.gemm_mkn else 0) for op in row.input_grad],
                                  [fp8(op, 0) for op in row.weight_grad]))
         weights += k * n * row.forward.gemm_batch
         modules.add(row.module)
     removed = workload.saved_bytes - sum(r.saved_bytes for r in rows if isinstance(r, NodeRow))
     return replace(workload, rows=rows, fp8_weight_elements=weights, fp8_modules=frozenset(modules),
+                   fp8_weights_kept=not weights_each_forward,
                    step_peak_bytes=max(workload.step_peak_bytes - removed, 0),
                    activation_peak_bytes=max(workload.activation_peak_bytes - removed, 0))
 

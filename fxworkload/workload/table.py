@@ -114,6 +114,9 @@ class Workload:
     error_intervals: dict = field(default_factory=dict)
     fp8_weight_elements: int = 0  # --fp8: the weights with FP8 copies (the decoder layers' linear layers)
     fp8_modules: frozenset = frozenset()  # --fp8: those linear layers' module paths
+    # --fp8: the weights' FP8 copies are made once a step and kept (Transformer Engine); False: cast in every
+    # forward and dropped (torchao's dynamic scaling)
+    fp8_weights_kept: bool = True
 
     @classmethod
     def of_rows(cls, rows: list, grad_dtype: torch.dtype, step_peak_bytes: int = 0,

@@ -125,3 +125,23 @@ def test_each_stage_casts_the_fp8_weights_it_holds(tiny_dirs):
     per_layer = memory_ns(LINEAR_WEIGHTS // LAYERS * 4, h100.gpu_facts(), h100.gpu_model(), casts=True)
     for before, after in zip(plain.cluster.devices, fp8.cluster.devices):
         assert after.optimizer_ns - before.optimizer_ns == pytest.approx(per_layer, rel=1e-9)
+
+
+def test_torchaos_recipe_reads_each_cast_tensor_once_more_and_casts_the_weights_every_forward(tiny_dirs, steps):
+    """By hand, per decoder linear's forward (m tokens x k in, k x n weight): Transformer Engine casts the input
+    in one pass (read 2 bytes, write 1 + 1); torchao's dynamic scaling takes its amax first (2 bytes more) and
+    casts the weight too, the same way (6 bytes a weight). So each forward GEMM moves 2·m·k + 6·k·n bytes more
+    than TE's; torchao keeps no FP8 weights between steps (no memory for them, no cast after the optimizer)."""
+    _, te = steps
+    torchao = extract(str(tiny_dirs["llama"]), batch=2, seq=32, dtype="bf16", device="h100-sxm", fp8=True,
+                      fp8_recipe="torchao")
+    for a, b in zip(te.workload.node_rows, torchao.workload.node_rows):
+        if a.forward.gemm_dtype == "fp8":
+            m, k, n = a.forward.gemm_mkn
+            assert b.forward.bytes - a.forward.bytes == 2 * m * k + 6 * k * n
+    assert te.memory.fp8_weights_bytes == 2 * LINEAR_WEIGHTS and torchao.memory.fp8_weights_bytes == 0
+    assert torchao.settings["fp8_recipe"] == "torchao"
+    with pytest.raises(UserError, match="needs --fp8"):
+        extract(str(tiny_dirs["llama"]), seq=32, dtype="bf16", device="h100-sxm", fp8_recipe="torchao")
+    with pytest.raises(UserError, match="unknown --fp8-recipe"):
+        extract(str(tiny_dirs["llama"]), seq=32, dtype="bf16", device="h100-sxm", fp8=True, fp8_recipe="mxfp8")
