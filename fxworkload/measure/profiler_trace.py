@@ -290,9 +290,7 @@ def align(events: list[Event], ops: list[GraphOp], depth: int = 0) -> dict[int, 
     """Event index -> the graph op it ran. Matches are kept; the unmatched events between two
     matches are opened into the ops they called and aligned with the graph ops between the same two."""
     matched: dict[int, GraphOp] = {}
-    with_shapes = bool(events) and all(e.shapes is not None for e in events)
-    pairs = common_subsequence([_match_key(short_name(e.name), e.shapes, with_shapes) for e in events],
-                               [_match_key(o.name, o.shapes, with_shapes) for o in ops])
+    pairs = common_subsequence([short_name(e.name) for e in events], [o.name for o in ops])
     event_at = op_at = 0
     for a, b in [*pairs, (len(events), len(ops))]:
         gap_ops = ops[op_at:b]
@@ -305,33 +303,34 @@ def align(events: list[Event], ops: list[GraphOp], depth: int = 0) -> dict[int, 
     return matched
 
 
-# GEMMs are matched by name and operand shapes where the trace recorded shapes: autograd's MmBackward0 runs the
-# weight's gradient before the input's (Functions.cpp), where the graph lists the input's first, so by name
-# alone the two would swap (lm_head's weight-gradient GEMM, the costliest, among them).
+# autograd's MmBackward0 runs the weight's gradient GEMM before the input's (Functions.cpp), where the graph lists
+# the input's first: matched in order, the two cross (lm_head's weight-gradient GEMM, the costliest, went
+# unpaired). Where the trace recorded shapes, a backward's GEMMs are paired with the row's GEMMs of exactly their
+# operand shapes, whatever the order; GEMMs whose shapes the run decided (an MoE expert's tokens) match none
+# and keep their order.
 SHAPED_MATCH = frozenset({"mm", "bmm", "addmm", "baddbmm"})
 
 
-def _gemms_by_shape(root: Event, ops: list[GraphOp], found: dict[int, GraphOp]) -> dict[int, GraphOp]:
-    """The row's GEMMs the in-order alignment left unmatched, paired with the root's unmatched GEMM events of the
-    same name and operand shapes, in whatever order autograd ran them (see SHAPED_MATCH)."""
-    taken = {id(op) for op in found.values()}
-    waiting = [op for op in ops if op.name in SHAPED_MATCH and id(op) not in taken and op.shapes is not None]
-    paired: dict[int, GraphOp] = {}
+def _gemms_by_shape(root: "Event", ops: list[GraphOp], found: dict[int, GraphOp]) -> None:
+    """Re-pair, in ``found``, the root's GEMM events with the row's GEMM ops of the same name and shapes."""
+    waiting = [op for op in ops if op.name in SHAPED_MATCH and op.shapes is not None]
+    exact: dict[int, GraphOp] = {}
     stack = list(root.children)
     while stack and waiting:
         event = stack.pop(0)
         stack[:0] = _cpu_children(event)
-        if event.index in found or short_name(event.name) not in SHAPED_MATCH or event.shapes is None:
+        if short_name(event.name) not in SHAPED_MATCH or event.shapes is None:
             continue
         same = next((op for op in waiting if op.name == short_name(event.name) and op.shapes == event.shapes), None)
         if same is not None:
-            paired[event.index] = same
+            exact[event.index] = same
             waiting.remove(same)
-    return paired
-
-
-def _match_key(name: str, shapes, with_shapes: bool) -> str:
-    return f"{name}{shapes}" if with_shapes and name in SHAPED_MATCH and shapes is not None else name
+    if not exact:
+        return
+    taken = {id(op) for op in exact.values()}
+    for index in [i for i, op in found.items() if id(op) in taken and i not in exact]:
+        del found[index]  # its op now goes to the event of its own shapes
+    found.update(exact)
 
 
 # Above this many cells the longest common subsequence table would not fit in memory: difflib's
@@ -473,8 +472,8 @@ def _attribute_step(roots: list[Event], forward_ops: list[GraphOp], backward_ops
         row = creator_row.get(root.sequence)
         if row is not None and backward_ops[row]:
             found = align(root.children, backward_ops[row])
+            _gemms_by_shape(root, backward_ops[row], found)
             matched.update(found)
-            matched.update(_gemms_by_shape(root, backward_ops[row], found))
         if root.name.endswith("AccumulateGrad") and last_row is not None:
             accumulated_by[root.index] = last_row
         last_row = row if row is not None else last_row
