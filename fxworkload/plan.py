@@ -310,7 +310,7 @@ def _plan(model, gpus, global_batch, seq, dtype, workers, ray, progress, stack, 
             "stack": stack, "device": ",".join(p.name for p in profiles), "cp": list(cps), "evaluated": len(rows),
             "shapes": len(groups), "dropped": dropped, "ranked": fitting,
             "why": why_best(fitting) + network_lines(fitting[:1], profiles),
-            **({"offload": offload_lines(fitting, rows)} if overlaps[2:] and overlaps[2] else {})}
+            **({"offload": offload_lines(fitting, rows)} if overlaps[2] else {})}
 
 
 def _order(row: dict) -> tuple:

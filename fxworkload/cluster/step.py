@@ -34,10 +34,10 @@ from ..parallel.rank import MODEL_PARALLEL_FIELDS, model_chunks, model_parallel_
 from ..parallel.units import Comm, Unit, is_expert
 from ..workload.table import Workload
 from .network import comm_ns, p2p_ns
-from .schedule import BACKWARD, Pass, timelines
-from .zero3 import Group, compute_share_lost, simulate_pass
 from .offload import offloaded_step_ns
+from .schedule import BACKWARD, Pass, timelines
 from .stragglers import slowest_step_ns
+from .zero3 import Group, compute_share_lost, simulate_pass
 
 # Adam touches per parameter: the fp32 master copy and both moments, read and written (2 x 12 bytes
 # in mixed precision, 2 x 8 in fp32), the gradient read and the parameter written in its own dtype.

@@ -264,7 +264,8 @@ def l2_miss_fraction(row_bytes: int, block_threads: int, facts: GpuFacts) -> flo
     """Share of a row-per-block kernel's second reads of its row that miss L2 and go to memory. Between a
     block's two passes over its row, the other resident blocks (every SM full of them) read between half
     a row each and a whole one (they started at staggered times), so the reuse distance spreads evenly over
-    W/2..W, W the rows in flight times their bytes: all hit while W <= L2, none from W >= 2 x L2."""
+    W/2..W, W the rows in flight times their bytes: every re-read hits L2 while W <= L2, none does from
+    W >= 2 x L2, and the share between falls off in proportion."""
     if not facts.l2_bytes:
         return 1.0  # no L2 known: from memory
     in_flight_bytes = facts.sm_count * max(facts.threads_per_sm // block_threads, 1) * row_bytes

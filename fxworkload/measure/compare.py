@@ -192,19 +192,18 @@ def _has_op_times(document: dict, time_key: str) -> bool:
 
 def compare(estimated: dict, measured: dict) -> Comparison:
     check_same_step(estimated, measured)
-    pairs, unpaired, one_sided = [], 0, []
+    pairs, one_sided = [], []
     estimated_rows, measured_rows = _node_rows(estimated), _node_rows(measured)
     for index, (e_row, m_row) in enumerate(zip_longest(estimated_rows, measured_rows), start=1):
         if e_row is None or m_row is None or e_row["name"] != m_row["name"]:
             raise UserError(f"row {index} does not match: estimated has {_name(e_row)}, measured has {_name(m_row)}; "
                             "compare files of the same model, batch, seq and dtype")
         for phase in PHASES:
-            row_pairs, row_unpaired = _pair_ops(e_row, m_row, phase, index)
+            row_pairs, row_one_sided = _pair_ops(e_row, m_row, phase, index)
             pairs += row_pairs
-            unpaired += row_unpaired
-            one_sided += _unpaired(e_row, m_row, phase)
+            one_sided += row_one_sided
     return Comparison(
-        pairs=pairs, unpaired_ops=unpaired, unpaired=one_sided,
+        pairs=pairs, unpaired_ops=len(one_sided), unpaired=one_sided,
         estimated_ns={p: sum(r[f"{p}_estimated_ns"] for r in estimated_rows) for p in PHASES},
         measured_ns={p: sum(r[f"{p}_measured_ns"] for r in measured_rows) for p in PHASES},
         eager_step_ns=measured.get("totals", {}).get("eager_step_ns"),
@@ -253,14 +252,6 @@ def _by_kind(ops: list[dict]) -> dict[tuple[str, int], dict]:
     return keyed
 
 
-def _unpaired(e_row: dict, m_row: dict, phase: str) -> list[tuple[str, str, str, float]]:
-    """(side, op, kind, estimated ns) of each op of the row's phase that only one side has."""
-    estimated, measured = _by_kind(_ops(e_row, phase)), _by_kind(_ops(m_row, phase))
-    return ([("estimate", estimated[k]["op"], estimated[k]["kind"], estimated[k]["estimated_ns"])
-             for k in estimated if k not in measured]
-            + [("measurement", measured[k]["op"], measured[k]["kind"], 0.0) for k in measured if k not in estimated])
-
-
 # Why an op is on one side only, by side and op (checked in order; the first that matches says it)
 UNPAIRED_REASONS = (
     ("estimate", ("getitem", "aten.detach", "aten.view", "aten.alias", "aten.t.", "aten.transpose"),
@@ -278,7 +269,9 @@ def unpaired_reason(side: str, op: str) -> str:
                 "the other side ran no such op in this row: another kernel choice, or one fused into its neighbour")
 
 
-def _pair_ops(e_row: dict, m_row: dict, phase: str, index: int) -> tuple[list[OpPair], int]:
+def _pair_ops(e_row: dict, m_row: dict, phase: str, index: int) -> tuple[list[OpPair], list[tuple]]:
+    """The row's phase's ops paired by kind and order; and (side, op, kind, estimated ns) of each op only one
+    side has."""
     estimated, measured = _by_kind(_ops(e_row, phase)), _by_kind(_ops(m_row, phase))
     pairs = []
     for key in [k for k in estimated if k in measured]:  # the row's own op order: the same in every process
@@ -290,7 +283,10 @@ def _pair_ops(e_row: dict, m_row: dict, phase: str, index: int) -> tuple[list[Op
         pairs.append(OpPair(row=e_row["name"], op=e_op["op"], kind=e_op["kind"], phase=phase,
                             estimated_ns=e_op["estimated_ns"], measured_ns=m_op["measured_ns"]))
     pairs.sort(key=lambda pair: (PHASES.index(pair.phase), pair.kind, pair.op))
-    return pairs, len(estimated.keys() ^ measured.keys())
+    one_sided = ([("estimate", estimated[k]["op"], estimated[k]["kind"], estimated[k]["estimated_ns"])
+                  for k in estimated if k not in measured]
+                 + [("measurement", measured[k]["op"], measured[k]["kind"], 0.0) for k in measured if k not in estimated])
+    return pairs, one_sided
 
 
 def relative_error(estimated_ns: float, measured_ns: float) -> float | None:
