@@ -178,6 +178,43 @@ def gemm_ns(m: int, k: int, n: int, batch: int, dtype: str, leading_dims: tuple[
     return max(model.gemm_min_ns, model.gemm_kernel_ns + 1e9 * max(compute_s, memory_s))
 
 
+# torch.compile pads unaligned GEMMs (torch/_inductor/fx_passes/pad_mm.py, ``config.shape_padding``, on
+# by default): each of m, k, n not a multiple of the dtype's alignment (get_alignment_size_dtype: 8
+# elements for 16-bit types, 4 for fp32) is padded with zeros, when the GEMM is compute-bound
+# (is_mm_compute_bound: m·k·n / (m·k + k·n + m·n) above half the GPU's tensor peak over its DRAM
+# bandwidth) and the padded GEMM, its operands' padding copies included, is faster by inductor's
+# multiplier (is_padded_faster: 1.1). Inductor decides by timing both at compile time; here both are
+# this model's estimates.
+PAD_ALIGNMENT_ELEMENTS = {2: 8, 4: 4}
+PAD_SPEEDUP = 1.1
+
+
+def padded_gemm_ns(m: int, k: int, n: int, batch: int, dtype: str, leading_dims: tuple[int, ...],
+                   facts: GpuFacts, model: GpuModel) -> float:
+    """A GEMM as torch.compile runs it: padded to aligned shapes where inductor's pad_mm would pad it."""
+    unpadded_ns = gemm_ns(m, k, n, batch, dtype, leading_dims, facts, model)
+    itemsize = ITEMSIZE[dtype]
+    pm, pk, pn = padded_sizes(m, k, n, itemsize)
+    if (pm, pk, pn) == (m, k, n) or not _compute_bound(m, k, n, dtype, facts):
+        return unpadded_ns
+    copies = [(rows * cols, padded_rows * padded_cols) for rows, cols, padded_rows, padded_cols
+              in ((m, k, pm, pk), (k, n, pk, pn)) if (rows, cols) != (padded_rows, padded_cols)]
+    padded_ns = gemm_ns(pm, pk, pn, batch, dtype, (pk, pn, pn), facts, model) + sum(
+        memory_ns((read + written) * batch * itemsize, facts, model) for read, written in copies)
+    return padded_ns if unpadded_ns > PAD_SPEEDUP * padded_ns else unpadded_ns
+
+
+def padded_sizes(m: int, k: int, n: int, itemsize: int) -> tuple[int, int, int]:
+    """m, k and n rounded up to pad_mm's alignment for the dtype (unchanged for a dtype it does not pad)."""
+    align = PAD_ALIGNMENT_ELEMENTS.get(itemsize, 1)
+    return tuple(-(-size // align) * align for size in (m, k, n))
+
+
+def _compute_bound(m: int, k: int, n: int, dtype: str, facts: GpuFacts) -> bool:
+    intensity = m * k * n / (m * k + k * n + m * n)
+    return intensity > 0.5 * facts.tensor_flops_per_s[dtype] / facts.memory_bytes_per_s
+
+
 def sustained_clock_fraction(facts: GpuFacts, model: GpuModel) -> float:
     """Share of its boost clock a GPU holds through an FP32-unit GEMM: its power limit over what the
     FP32 peak would draw at ``fp32_watts_per_tflop_nm`` (1 where either is unknown)."""

@@ -15,7 +15,7 @@ import math
 import torch
 
 from .flops import ATTENTION, DATA_MOVEMENT, ELEMENTWISE, MATMUL, VIEW, base_name
-from .gpu import attention_ns, gemm_ns, layer_norm_rereads, memory_ns, softmax_rereads
+from .gpu import attention_ns, gemm_ns, layer_norm_rereads, memory_ns, padded_gemm_ns, softmax_rereads
 
 _FUSED_BACKENDS = {"cudnn", "flash", "efficient"}
 
@@ -64,6 +64,8 @@ def gpu_op_ns(op, device, dtype: str) -> float:
                             has_mask=a["has_mask"], dropout=a["dropout"], facts=facts, model=model, nbytes=op.bytes)
     if op.gemm_mkn is not None and op.gemm_leading is not None:
         m, k, n = op.gemm_mkn
+        if op.gemm_padded:
+            return padded_gemm_ns(m, k, n, op.gemm_batch, dtype, op.gemm_leading, facts, model)
         return gemm_ns(m, k, n, op.gemm_batch, dtype, op.gemm_leading, facts, model)
     if op.grouped_gemm is not None:
         m, k, n, groups = op.grouped_gemm

@@ -11,7 +11,9 @@ backward. Each stack's choices are data here, with the source they follow.
   dropout masks are kept (1 byte per element, as Korthikanti et al. 2022 count them).
 - ``compiled``: ``torch.compile`` (AOTAutograd + inductor): what is kept is what AOTAutograd's
   ``min_cut_rematerialization_partition`` chooses on the step's joint graph; inductor fuses the
-  same pointwise chains (and re-makes the rest inside backward's fused kernels).
+  same pointwise chains (and re-makes the rest inside backward's fused kernels), and pads GEMMs
+  whose sizes are not multiples of 16 bytes to ones that are, where that is faster (its pad_mm
+  pass: GPT-2's 50,257-word vocabulary runs the Hopper kernels instead of the align1 fallback).
 """
 
 from __future__ import annotations
@@ -29,13 +31,15 @@ class Stack:
     fuses_pointwise: bool  # pointwise chains between GEMM/attention kernels run as one kernel each
     keeps: str  # "autograd": what eager autograd keeps; "fused": fused kernels' inputs; "partitioner": AOTAutograd's choice
     source: str
+    pads_gemms: bool = False  # unaligned GEMMs padded to aligned shapes (inductor's pad_mm; cost/gpu.py padded_gemm_ns)
 
 
 STACKS = {
     "eager": Stack("eager", False, "autograd", "PyTorch eager; autograd's derivatives.yaml"),
     "fused": Stack("fused", True, "fused", "Megatron-LM / Transformer Engine fused kernels (megatron/core/fusions)"),
     "compiled": Stack("compiled", True, "partitioner",
-                      "torch.compile: AOTAutograd min_cut_rematerialization_partition + inductor fusion"),
+                      "torch.compile: AOTAutograd min_cut_rematerialization_partition + inductor fusion and "
+                      "GEMM padding (torch/_inductor/fx_passes/pad_mm.py)", pads_gemms=True),
 }
 
 

@@ -48,6 +48,7 @@ class OpCost:
     fused_ops: int = 0  # a fused kernel's op (--stack fused/compiled): the aten ops the kernel runs; 0: not one
     fused: bool = False  # runs inside another op's fused kernel, whose flops, bytes and time hold it
     gemm_dtype: str = ""  # a GEMM run in another dtype than its tensors' (--fp8: "fp8"); "" = theirs
+    gemm_padded: bool = False  # --stack compiled: padded to aligned shapes where inductor's pad_mm would
 
 
 @dataclass
@@ -189,6 +190,9 @@ def build(capture: Capture, model: torch.nn.Module, device: DeviceProfile | None
     """The table of one captured step as ``stack`` runs it (workload/stacks.py); with no device, every
     estimated time is 0 (rows and sizes only)."""
     costs = {node: cost_of(node, phase, device) for node, phase in capture.phase.items()}
+    if STACKS[stack].pads_gemms:
+        costs = {node: timed(replace(cost, gemm_padded=True), device) if cost.gemm_leading is not None else cost
+                 for node, cost in costs.items()}
     keep = None
     if STACKS[stack].fuses_pointwise:
         found = regions(capture)
