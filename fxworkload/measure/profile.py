@@ -36,6 +36,7 @@ from ..errors import UserError
 from ..progress import heartbeat
 from ..cost.flops import register_transformers_ops
 from . import kernel_times
+from .profiler_trace import check_trace_reader
 from .timing import Clock, describe, device_for
 from ..workload.table import Workload, build
 
@@ -138,6 +139,8 @@ def profile(model: str, batch: int = 1, seq: int | None = None, dtype: str = "fp
         if value > MAX_RUNS:
             raise UserError(f"--{name} {value:,} exceeds {MAX_RUNS:,} runs: more add nothing to a median")
     device = device_for(on)
+    if _by_profiler(timer, device):  # its per-node times are read back from the trace it records
+        check_trace_reader()
     spec = models.resolve(model)
     seq = step_seq(spec, seq)
     phase = ["loading the model"]
@@ -188,7 +191,7 @@ def _measure(spec, batch: int, seq: int, dtype: str, device: torch.device, repea
     say("checking the node-by-node run against eager loss.backward()...")
     verification = verify(module, capture.graph_module, values, input_ids, list(parameters), dtype)
     clock = Clock(device)
-    by_profiler = timer == "profiler" or (timer == "auto" and device.type == "cuda")
+    by_profiler = _by_profiler(timer, device)
     say(f"timing every op{' with torch.profiler' if by_profiler else ''}: {warmup} warm-up and {repeat} timed runs...")
     dispatch = kernel_check = None
     if by_profiler:
@@ -206,6 +209,10 @@ def _measure(spec, batch: int, seq: int, dtype: str, device: torch.device, repea
     return Measurement(spec=spec, workload=workload, timings=timings, verification=verification,
                        eager_step_ns=eager_step_ns, settings=settings, step_peak_bytes=step_peak_bytes,
                        dispatch=dispatch, kernel_check=kernel_check)
+
+
+def _by_profiler(timer: str, device: torch.device) -> bool:
+    return timer == "profiler" or (timer == "auto" and device.type == "cuda")
 
 
 def _timer_name(by_profiler: bool, device: torch.device) -> str:

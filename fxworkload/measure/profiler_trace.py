@@ -140,6 +140,17 @@ def _quiet_hta():
             os.environ["HTA_DISABLE_NS_ROUNDING"] = previous
 
 
+HTA_MISSING = "reading a profiler trace needs HolisticTraceAnalysis: pip install 'fxworkload[traces]' (make run installs it)"
+
+
+def check_trace_reader() -> None:
+    """Before minutes of work that end in reading a trace: HolisticTraceAnalysis is installed."""
+    import importlib.util
+
+    if importlib.util.find_spec("hta") is None:
+        raise UserError(HTA_MISSING)
+
+
 def _hta_frame(path: Path):
     try:
         with _quiet_hta():
@@ -147,8 +158,7 @@ def _hta_frame(path: Path):
             from hta.common.trace import Trace
             from hta.configs.parser_config import ParserConfig
     except ImportError:
-        raise UserError("reading a profiler trace needs HolisticTraceAnalysis: pip install 'fxworkload[traces]' "
-                        "(make run installs it)") from None
+        raise UserError(HTA_MISSING) from None
     config = ParserConfig.get_default_cfg().clone()
     available = ParserConfig.get_all_available_args()
     config.add_args([available[key] for key in ("cpu_op::sequence_number", "cpu_op::fwd_thread")])

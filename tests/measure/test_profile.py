@@ -270,3 +270,18 @@ def test_compare_gives_a_verdict_when_the_measurement_failed_its_own_check(tiny_
     text = report_text(busy)
     assert "VERDICT: not a comparison" in text and text.index("VERDICT") < text.index("time-weighted error")
     assert json.loads(comparison_json(busy))["measured_warning"] == busy.measured_warning
+
+
+def test_a_profiler_timed_run_without_its_trace_reader_stops_before_any_work(monkeypatch):
+    """On a GPU (or --timer profiler) the per-node times are read back from the trace with
+    HolisticTraceAnalysis; without it installed, profile says so first, not after loading,
+    capturing and running the model (the first GPU run met this at the very end)."""
+    import importlib.util
+
+    from fxworkload.capture import models
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "hta" else real_find_spec(name, *a))
+    monkeypatch.setattr(models, "resolve", lambda *a: pytest.fail("the model was read before the check"))
+    with pytest.raises(UserError, match="needs HolisticTraceAnalysis"):
+        profile("gpt2", batch=1, seq=8, on="cpu", timer="profiler")
