@@ -13,6 +13,8 @@ kernels (shared/gpu-kernels), the H200 has never been fitted on.
    each family's median absolute error before any fit.
 4. A minute of 8192³ bf16 GEMMs: the sustained rate, SM clock and power, against the fastest
    GEMM of the kernel CSVs (short back-to-back samples).
+5. ``calibrate --from`` the H100's GPT-2 trace (the GPU model refitted to its ops' kernel times), then
+   every H100 step estimated with that profile beside the shipped one: the other five runs are held out.
 
     .venv/bin/python bench/lent_gpus.py            # about 2 minutes on 2 cores
 """
@@ -20,6 +22,7 @@ kernels (shared/gpu-kernels), the H200 has never been fitted on.
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -114,6 +117,29 @@ def sustained_rows() -> list[list]:
     return rows
 
 
+def trace_fit_rows(root: Path) -> list[list]:
+    case = CASES[0]
+    folder = case_dir(root / "fit-case", case[1], case[2], case[3])
+    estimated = root / "fit-estimated"
+    env = {**os.environ, "FXWORKLOAD_CACHE_DIR": str(root / "cache")}
+    for command in (["extract", str(folder), "--batch", str(case[4]), "--seq", str(case[5]), "--dtype", case[6],
+                     "--device", "h100-sxm", "--out", str(estimated)],
+                    ["calibrate", "--from", str(DATA / "h100" / "trace-0.json.gz"), "--estimated", str(estimated),
+                     "--name", "h100-from-trace"]):
+        subprocess.run([sys.executable, "-m", "fxworkload", *command], check=True, capture_output=True, env=env)
+    os.environ["FXWORKLOAD_CACHE_DIR"] = env["FXWORKLOAD_CACHE_DIR"]  # extract below reads the fitted profile
+    measured = {c["case"]: c for c in json.loads((DATA / "h100" / "steps.json").read_text())["cases"]}
+    rows = []
+    for index, (name, model, layers, changes, batch, seq, dtype, _, _) in enumerate(CASES):
+        folder = case_dir(root / f"fit-{index}", model, layers, changes)
+        cells = [name + (" (the fitted trace's)" if index == 0 else ""), f"{measured[name]['measured_ms']:.1f}"]
+        for profile in ("h100-sxm", "h100-from-trace"):
+            ms = extract(str(folder), batch=batch, seq=seq, dtype=dtype, device=profile).totals["step_estimated_ns"] / 1e6
+            cells += [f"{ms:.1f}", _pct(ms, measured[name]["measured_ms"])]
+        rows.append(cells)
+    return rows
+
+
 def main() -> int:
     with tempfile.TemporaryDirectory() as folder:
         root = Path(folder)
@@ -124,11 +150,15 @@ def main() -> int:
         print("\nProfiler traces through fxworkload compare (kernel time per step; time-weighted error per kind)\n")
         print(tabulate(rows, headers=["gpu", "case", "trace_ms", "estimated_ms", "error", "tied", *kinds],
                        tablefmt="github"))
+        fitted = trace_fit_rows(root)
     print("\nKernel CSVs of calibrate --on cuda against the shipped profile (median |error|, no fit)\n")
     print(tabulate(kernel_rows(), headers=["gpu", "profile", "gemm", "sdpa", "vector"], tablefmt="github"))
     print("\n8192³ bf16 GEMMs for a minute against the fastest GEMM of the kernel CSVs\n")
     print(tabulate(sustained_rows(), headers=["gpu", "burst_tflops", "sustained_tflops", "change",
                                               "sm_clock_mhz", "power_w", "seconds"], tablefmt="github"))
+    print("\nH100 steps with the shipped profile and with one fitted to the GPT-2 trace (calibrate --from)\n")
+    print(tabulate(fitted, headers=["case", "measured_ms", "h100-sxm_ms", "error", "from_trace_ms", "error"],
+                   tablefmt="github"))
     return 0
 
 

@@ -560,6 +560,8 @@ def _calibrate_from(args) -> int:
         raise UserError(f"--name {args.name} is a shipped datasheet profile; choose another name")
     estimated = load_document(args.estimated, "workload.json")
     measured = load_measured(args.from_trace, estimated, "torch-profiler")
+    if measured["trace"].get("unit") == "kernel":  # a GPU's kernels: refit the GPU model of its datasheet profile
+        return _calibrate_gpu_from_trace(args, estimated, measured)
     profile = fit_from_measured(measured, args.name, args.from_trace.name)
     path = _save_profile(profile, args.name)
     print(f"fitted to {measured['trace']['steps']} step(s) of {args.from_trace}: overhead "
@@ -568,6 +570,24 @@ def _calibrate_from(args) -> int:
           + f", {len(profile.vector_flops_per_s_by_op)} vector ops, {len(profile.memory_bytes_per_s_by_bytes)} "
           "bandwidth points")
     print(f"saved device profile '{args.name}' to {path}; use it with --device {args.name}")
+    return 0
+
+
+def _calibrate_gpu_from_trace(args, estimated: dict, measured: dict) -> int:
+    from .cost import devices
+    from .measure.calibrate import fit_report_text
+    from .measure.kernels import fitted_from_trace
+
+    like = args.like or estimated.get("settings", {}).get("device")
+    base = devices.load(like) if args.like or (like != "cpu" and like in devices.names()) else None
+    if base is None or not base.sm_count:
+        raise UserError(f"{args.from_trace.name} is a GPU trace: give --like PROFILE, the datasheet profile of the "
+                        "GPU it ran on (e.g. --like h100-sxm), or extract --estimated with --device that profile")
+    profile, report = fitted_from_trace(measured, base, args.name, args.from_trace.name)
+    path = _save_profile(profile, args.name)
+    print(fit_report_text(report), end="")
+    print(f"saved device profile '{args.name}' ({like}'s facts, the GPU model fitted to the kernels of "
+          f"{args.from_trace}) to {path}; use it with --device {args.name}")
     return 0
 
 

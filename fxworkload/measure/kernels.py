@@ -33,7 +33,8 @@ from ..cost.devices import DeviceProfile
 from ..cost.gpu import GpuModel
 from ..dtypes import DTYPES
 from ..errors import UserError
-from ..workload.table import OpCost, cost_of, op_dispatch_ns, op_estimate_ns
+from ..inputs import finite_number, whole_number
+from ..workload.table import OpCost, cost_of, kernel_family, op_dispatch_ns, op_estimate_ns
 
 COLUMNS = {"gemm.csv": ("dtype", "m", "k", "n", "layout", "us"),
            "sdpa.csv": ("dtype", "batch", "heads", "kv_heads", "seq", "head_dim", "causal", "dropout", "mask",
@@ -298,18 +299,22 @@ def with_model(device: DeviceProfile, model: GpuModel) -> DeviceProfile:
     return replace(device, gpu_model_fit="", gpu_model_parameters=model.as_dict())
 
 
-def fit(samples: list[Sample], device: DeviceProfile, rounds: int = 6, gap_ns: float | None = None) -> GpuModel:
+def fit(samples: list[Sample], device: DeviceProfile, rounds: int = 6, gap_ns: float | None = None,
+        by_time: bool = False) -> GpuModel:
     """Coordinate descent in log steps on each family's median plus 0.3 x p90 absolute relative error;
-    rows timed alone (``gap_ns`` given) leave the fixed costs per call as they are."""
+    rows timed alone (``gap_ns`` given) leave the fixed costs per call as they are. ``by_time``: each
+    row counts by its measured time (a step's ops: its few long GEMMs decide it, not its many short
+    ones), as a time-weighted median and 90th percentile."""
     model = device.gpu_model()
     for family, names in FAMILY_PARAMETERS.items():
         mine = [s for s in samples if s.family == family]
         if not mine:
             continue
+        weights = [s.measured_ns if by_time else 1.0 for s in mine]
 
         def loss(candidate: GpuModel) -> float:
-            errors = sorted(abs(e) for e in relative_errors(mine, with_model(device, candidate), gap_ns))
-            return statistics.median(errors) + 0.3 * errors[int(0.9 * (len(errors) - 1))]
+            errors = [abs(e) for e in relative_errors(mine, with_model(device, candidate), gap_ns)]
+            return _quantile(errors, weights, 0.5) + 0.3 * _quantile(errors, weights, 0.9)
 
         best = loss(model)
         for _ in range(rounds):
@@ -320,6 +325,18 @@ def fit(samples: list[Sample], device: DeviceProfile, rounds: int = 6, gap_ns: f
                     if score < best:
                         model, best = candidate, score
     return model
+
+
+def _quantile(values: list[float], weights: list[float], q: float) -> float:
+    """The smallest value whose share of the total weight at or below it reaches q (equal weights: the
+    q-quantile of the values, the lower one of a tie)."""
+    pairs = sorted(zip(values, weights))
+    total, running = sum(weights), 0.0
+    for value, weight in pairs:
+        running += weight
+        if running >= q * total:
+            return value
+    return pairs[-1][0]
 
 
 HOLDOUT_SEED = 0
@@ -359,9 +376,7 @@ def fitted_profile(data_dir: Path, base: DeviceProfile, name: str, description: 
     rows of ``data_dir``; and a report: each family's median error before and after, and after a fit
     on every other row (seeded shuffle) checked on the rows it did not see. ``timing`` says how the rows
     were timed: back-to-back calls (as calibrate --on cuda does), or each call alone between events."""
-    if not base.sm_count:
-        raise UserError(f"device profile '{base.name}' is not a GPU profile (no sm_count): fit a GPU's kernels "
-                        "onto the datasheet profile of that GPU, e.g. --like h100-sxm")
+    _check_gpu(base)
     if timing not in TIMINGS:
         raise UserError(f"unknown --timing {timing!r}: use {' or '.join(TIMINGS)}")
     measured = samples(data_dir, target_of(base))
@@ -373,25 +388,140 @@ def fitted_profile(data_dir: Path, base: DeviceProfile, name: str, description: 
         if 0 < count < MIN_ROWS:  # a family with none keeps the starting profile's parameters
             raise UserError(f"{data_dir / name}: {count} measured kernel time{'s' if count != 1 else ''}; a fit "
                             f"needs at least {MIN_ROWS} per file (half are held out to check it), or none")
+    fitted, report = _fit_and_hold_out(measured, base, timing)
+    source = (f"fitted by 'fxworkload calibrate' to {len(measured)} kernel times in {data_dir} "
+              f"(gemm.csv, sdpa.csv, vector.csv), starting from {base.name}'s parameters")
+    if timing == "isolated":
+        source += (f"; the rows timed one call alone, so each held a launch gap ({report['launch_gap_ns'] / 1e3:.1f} "
+                   "us, kept out of the model) and the fixed costs per kernel are the starting profile's")
+    profile = replace(fitted, name=name, description=description,
+                      sources={**base.sources, "gpu_model_parameters": source})
+    return profile, report
 
+
+def fitted_from_trace(measured: dict, base: DeviceProfile, name: str, trace_name: str) -> tuple[DeviceProfile, dict]:
+    """``base`` with the GPU model refitted on the kernel times of a GPU profiler trace tied to its
+    workload (``compare``'s pairing): each op that launched kernels is one row, its kernels' summed
+    CUPTI time the measurement. The report is ``fitted_profile``'s."""
+    _check_gpu(base)
+    rows = trace_samples(measured)
+    families = {family: sum(s.family == family for s in rows) for family in FAMILY_PARAMETERS}
+    if families["gemm"] < MIN_ROWS:
+        raise UserError(f"{trace_name}: {families['gemm']} GEMMs tied to the workload's ops; a fit needs at least "
+                        f"{MIN_ROWS}: profile a whole training step on the GPU")
+    thin = [family for family, count in families.items() if 0 < count < MIN_ROWS]
+    rows = [s for s in rows if s.family not in thin]  # too few to fit (half held out): the starting parameters stay
+    fitted, report = _fit_and_hold_out(rows, base, "kernel", by_time=True)
+    source = (f"fitted by 'fxworkload calibrate --from' to {len(rows)} ops' kernel times in the profiler trace "
+              f"{trace_name}, starting from {base.name}'s parameters; its fixed costs per kernel and per "
+              "host dispatch kept (a trace's kernel durations hold neither)")
+    profile = replace(fitted, name=name, description=f"{base.description}, GPU model fitted to {trace_name}",
+                      sources={**base.sources, "gpu_model_parameters": source})
+    return profile, report
+
+
+def trace_samples(measured: dict) -> list[Sample]:
+    """One sample per op of a GPU trace that ran kernels and is tied to a workload op (views, fused
+    ops and ops the trace has no time for left out)."""
+    found = []
+    for index, row in enumerate(measured["rows"]):
+        for phase in (FORWARD, "input_grad", "weight_grad"):
+            for op in [row.get(phase)] if phase == FORWARD else row.get(phase) or []:
+                if not op or not finite_number(op.get("measured_ns"), 1.0, MAX_US * 1e3):
+                    continue
+                cost = op_from_json(op, index)
+                if cost.kind == "view" or cost.fused or not (cost.flops or cost.bytes):
+                    continue
+                found.append(Sample(kernel_family(cost), cost.kind, float(op["measured_ns"]), (cost,), index))
+    return found
+
+
+def op_from_json(op: dict, row: int) -> OpCost:
+    """An op of workload.json as the cost model reads it, every field checked (nothing from the file is
+    looked up or run: dtype names must be among torch's floating and integer dtypes)."""
+    def bad(field: str) -> UserError:
+        return UserError(f"workload.json row {row}: op field '{field}' is not what extract writes; "
+                         "pass the folder extract wrote for the traced step")
+
+    def sizes(value, count=None) -> tuple[int, ...] | None:
+        if value is None:
+            return None
+        if not isinstance(value, list) or (count and len(value) != count) or not all(whole_number(v) for v in value):
+            raise ValueError
+        return tuple(value)
+
+    fields = {}
+    try:
+        for key in ("op", "kind", "phase"):
+            if not isinstance(op.get(key), str):
+                raise bad(key)
+            fields[key] = op[key]
+        for key in ("input_shapes", "output_shapes"):
+            if not isinstance(op.get(key), list):
+                raise bad(key)
+            fields[key] = [list(sizes(shape)) for shape in op[key]]
+        for key in ("input_dtypes", "output_dtypes"):
+            if not isinstance(op.get(key), list) or not all(name in DTYPE_NAMES_READ for name in op[key]):
+                raise bad(key)
+            fields[key] = list(op[key])
+        for key in ("flops", "bytes"):
+            if not whole_number(op.get(key)):
+                raise bad(key)
+            fields[key] = op[key]
+        fields.update(gemm_mkn=sizes(op.get("gemm_mkn"), 3), gemm_leading=sizes(op.get("gemm_leading"), 3),
+                      grouped_gemm=sizes(op.get("grouped_gemm"), 4))
+        batch = op.get("gemm_batch", 1)
+        if not whole_number(batch, 1):
+            raise bad("gemm_batch")
+        attention = op.get("attention")
+        if attention is not None and not _attention_ok(attention):
+            raise bad("attention")
+    except ValueError:
+        raise bad("shapes") from None
+    return OpCost(fx_name="", estimated_ns=0.0, has_flop_rule=True, gemm_batch=batch, attention=attention,
+                  sdpa_backend=op.get("sdpa_backend") if isinstance(op.get("sdpa_backend"), str) else None,
+                  fused_ops=op.get("fused_ops") if whole_number(op.get("fused_ops")) else 0,
+                  fused=op.get("fused") is True, gemm_dtype=op.get("gemm_dtype") if op.get("gemm_dtype") in ("", "fp8") else "",
+                  gemm_padded=op.get("gemm_padded") is True, **fields)
+
+
+# torch's dtype names a workload.json may hold (capture's _dtype_name writes torch's attribute names).
+DTYPE_NAMES_READ = frozenset(name for name in dir(torch) if isinstance(getattr(torch, name, None), torch.dtype))
+
+
+def _attention_ok(attention) -> bool:
+    sizes = ("batch", "heads", "kv_heads", "q_len", "kv_len", "head_dim")
+    return (isinstance(attention, dict) and attention.get("backend") in ("flash", "efficient", "cudnn")
+            and all(whole_number(attention.get(key), 1) for key in sizes)
+            and all(isinstance(attention.get(key), bool) for key in ("backward", "is_causal", "has_mask"))
+            and finite_number(attention.get("dropout"), 0.0, 1.0))
+
+
+def _check_gpu(base: DeviceProfile) -> None:
+    if not base.sm_count:
+        raise UserError(f"device profile '{base.name}' is not a GPU profile (no sm_count): fit a GPU's kernels "
+                        "onto the datasheet profile of that GPU, e.g. --like h100-sxm")
+
+
+def _fit_and_hold_out(measured: list[Sample], base: DeviceProfile, timing: str,
+                      by_time: bool = False) -> tuple[DeviceProfile, dict]:
+    """The fit on every row, and the report: each family's median error before and after it, and after a
+    fit on every other row (seeded shuffle) checked on the rows it did not see."""
     def gap(rows: list[Sample]) -> float | None:
-        return launch_gap_ns(rows, base) if timing == "isolated" else None
+        # "kernel": CUPTI's kernel durations hold no launch gap, host time or back-to-back floor: each
+        # row is its kernels alone, and the fixed costs per kernel stay the starting profile's (a step's
+        # kernels run back to back, which a trace's durations do not see)
+        return {"isolated": launch_gap_ns(rows, base) if timing == "isolated" else None, "kernel": 0.0}.get(timing)
 
-    fitted = with_model(base, fit(measured, base, gap_ns=gap(measured)))
+    fitted = with_model(base, fit(measured, base, gap_ns=gap(measured), by_time=by_time))
     order = list(range(len(measured)))
     random.Random(HOLDOUT_SEED).shuffle(order)
     train, held = [measured[i] for i in order[::2]], [measured[i] for i in order[1::2]]
-    held_fit = with_model(base, fit(train, base, gap_ns=gap(train)))
+    held_fit = with_model(base, fit(train, base, gap_ns=gap(train), by_time=by_time))
     report = {"rows": {f: sum(s.family == f for s in measured) for f in FAMILY_PARAMETERS},
               "before_pct": median_abs_pct(measured, base, gap(measured)),
               "after_pct": median_abs_pct(measured, fitted, gap(measured)),
               "held_out_pct": median_abs_pct(held, held_fit, gap(train)), "timing": timing}
-    source = (f"fitted by 'fxworkload calibrate' to {len(measured)} kernel times in {data_dir} "
-              f"(gemm.csv, sdpa.csv, vector.csv), starting from {base.name}'s parameters")
     if timing == "isolated":
         report["launch_gap_ns"] = gap(measured)
-        source += (f"; the rows timed one call alone, so each held a launch gap ({gap(measured) / 1e3:.1f} us, "
-                   "kept out of the model) and the fixed costs per kernel are the starting profile's")
-    profile = replace(fitted, name=name, description=description,
-                      sources={**base.sources, "gpu_model_parameters": source})
-    return profile, report
+    return fitted, report
