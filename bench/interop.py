@@ -116,7 +116,8 @@ def run_layout(name: str, folder: Path, simai_run: str, astra_run: str) -> dict:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(simai.text(simai.from_rank(result.rank, result.device)))
         comp_us, total_us = run_simai(simai_run, path, parallel.world, result.device)
-        ours_us = parallel.micro_batches * sum(u.ns(ph) for u in result.rank.units for ph in PHASES) / 1e3
+        ours_us = (parallel.micro_batches * sum(u.ns(ph) for u in result.rank.units for ph in PHASES)
+                   + result.cluster.devices[stage].zero3_copy_ns) / 1e3  # ZeRO 3: FSDP2's copies are compute too
         compute_errors.append((comp_us / ours_us - 1, ours_us, comp_us))
         simai_totals.append(total_us)
     for file_name, content in chakra_files(cluster).items():

@@ -236,9 +236,11 @@ def _parts_ms(step) -> dict[str, float]:
     exposed = step.exposed_ns
     blocking = exposed["tp"] + exposed["cp"] + exposed["ep"]
     busiest = max(step.devices, key=lambda d: d.compute_ns)
-    parts = {"compute": busiest.compute_ns + busiest.bucket_slowdown_ns - blocking, "tp": exposed["tp"],
+    copies = exposed.get("zero3_copies", 0.0)  # FSDP2's copy kernels: on the compute stream, in compute_ns
+    parts = {"compute": busiest.compute_ns + busiest.bucket_slowdown_ns - blocking - copies, "tp": exposed["tp"],
              "cp": exposed["cp"], "ep": exposed["ep"], "bubble": exposed["pp_bubble"], "dp": exposed["dp"],
-             "zero gathers": exposed["zero_gather"] + exposed["zero3_gather"], "optimizer": exposed["optimizer"]}
+             "zero gathers": exposed["zero_gather"] + exposed["zero3_gather"], "fsdp copies": copies,
+             "optimizer": exposed["optimizer"]}
     return {name: ns / 1e6 for name, ns in parts.items()}
 
 
@@ -309,7 +311,7 @@ def _plan(model, gpus, global_batch, seq, dtype, workers, ray, progress, stack, 
     return {"model": facts.name, "gpus": gpus, "global_batch": global_batch, "seq": seq, "dtype": dtype, "fp8": fp8,
             "stack": stack, "device": ",".join(p.name for p in profiles), "cp": list(cps), "evaluated": len(rows),
             "shapes": len(groups), "dropped": dropped, "ranked": fitting,
-            "why": why_best(fitting) + network_lines(fitting[:1], profiles),
+            "why": why_best(fitting) + network_lines(fitting[:1], profiles) + fsdp_lines(fitting),
             **({"offload": offload_lines(fitting, rows)} if overlaps[2] else {})}
 
 
@@ -360,6 +362,20 @@ def _difference(best: dict, other: dict, choice: str) -> str:
     biggest = sorted(parts.items(), key=lambda kv: -abs(kv[1]))[:2]
     said = ", ".join(f"{name} {'+' if ms >= 0 else '-'}{abs(ms):.0f} ms" for name, ms in biggest if abs(ms) >= 0.5)
     return f"the best {choice} {other[choice]} layout is {slower_ms:.0f} ms slower ({said or 'by rounding'})"
+
+
+def fsdp_lines(ranked: list[dict]) -> list[str]:
+    """What FSDP costs the fastest ZeRO 3 layout (FSDP2 as cluster/zero3.py runs it): the compute waiting for
+    parameter gathers, and the copy kernels on the compute stream, against its step."""
+    best = next((r for r in ranked if r.get("zero") == 3), None)
+    if best is None:
+        return []
+    rank = ranked.index(best) + 1
+    parts = best["parts_ms"]
+    return [f"fsdp: the best ZeRO 3 layout (#{rank}: tp {best['tp']} cp {best['cp']} pp {best['pp']} dp {best['dp']}, "
+            f"recompute {best['recompute']}, mbs {best['micro_batch']}) waits {parts['zero gathers']:.0f} ms for "
+            f"parameter gathers and spends {parts.get('fsdp copies', 0.0):.0f} ms in FSDP2's copy kernels of its "
+            f"{best['step_ms']:.0f} ms step"]
 
 
 def offload_lines(ranked: list[dict], rows: list[dict]) -> list[str]:

@@ -56,6 +56,7 @@ class DeviceSummary:
     end_ns: float
     zero3_gather_ns: tuple[float, float] = (0.0, 0.0)  # ZeRO 3: one forward and one backward pass's gathers
     zero3_exposed_gather_ns: float = 0.0  # ZeRO 3: compute waiting for parameters, every pass of the step
+    zero3_copy_ns: float = 0.0  # ZeRO 3: FSDP2's copy kernels on the compute stream, every pass of the step
     bucket_slowdown_ns: float = 0.0  # backward compute lost to the SMs overlapped gradient buckets' NCCL kernels held
 
 
@@ -159,7 +160,7 @@ def cluster_step(facts: ModelFacts, workload: Workload, model_workload: Workload
         flops.append(device_flops)
         layouts.append((chunks, _with_data_parallel(chunks, p, grad_dtype, dtype, workload.fp8_modules)))
     zero3 = [(0.0, 0.0)] * p.pp  # per device: one forward and one backward pass's gather time
-    zero3_exposed, zero3_trailing = [0.0] * p.pp, [0.0] * p.pp
+    zero3_exposed, zero3_trailing, zero3_copies = [0.0] * p.pp, [0.0] * p.pp, [0.0] * p.pp
     if p.zero == 3:  # gathers and reduce-scatters per FSDP unit on a stream beside the compute (zero3.py)
         itemsizes = DTYPES[dtype].itemsize, DTYPES[grad_dtype].itemsize, (
             workload.fp8_modules if p.fp8_param_gather else frozenset())
@@ -173,6 +174,7 @@ def cluster_step(facts: ModelFacts, workload: Workload, model_workload: Workload
             backward[d] = [t.duration_ns for t in timelines_b]
             zero3[d] = tuple(sum(g.gather_ns for g in groups[0][k]) for k in (0, 1))
             zero3_exposed[d] = p.micro_batches * sum(t.exposed_gather_ns for t in timelines_f + timelines_b)
+            zero3_copies[d] = p.micro_batches * sum(t.copy_ns for t in timelines_f + timelines_b)
             zero3_trailing[d] = timelines_b[0].trailing_ns  # the step's last backward is chunk 0's
     boundary = micro_batch * seq * facts.hidden * DTYPES[dtype].itemsize // (p.tp if p.sp else 1)
     transfer = p2p_ns(boundary, p, device)
@@ -198,7 +200,7 @@ def cluster_step(facts: ModelFacts, workload: Workload, model_workload: Workload
                                      pipeline_end_ns=pipeline_end, data_parallel_end_ns=dp_end,
                                      optimizer_ns=optimizer, zero_gather_ns=gather, end_ns=end,
                                      zero3_gather_ns=zero3[d], zero3_exposed_gather_ns=zero3_exposed[d],
-                                     bucket_slowdown_ns=slowed[d]))
+                                     zero3_copy_ns=zero3_copies[d], bucket_slowdown_ns=slowed[d]))
     slowest = max(devices, key=lambda x: x.end_ns)
     busiest = max(devices, key=lambda x: x.compute_ns)
     pipeline_ns = max(x.pipeline_end_ns for x in devices)
@@ -209,6 +211,7 @@ def cluster_step(facts: ModelFacts, workload: Workload, model_workload: Workload
                "pp_bubble": max(0.0, pipeline_ns - busy_ns),  # no pipeline: 0, not a rounding error below it
                "dp": max(slowest.data_parallel_end_ns - slowest.pipeline_end_ns, 0.0),
                "zero_gather": slowest.zero_gather_ns, "zero3_gather": slowest.zero3_exposed_gather_ns,
+               "zero3_copies": slowest.zero3_copy_ns,
                "dp_bucket_slowdown": slowest.bucket_slowdown_ns,
                "optimizer": slowest.optimizer_ns}
     ranks_per_stage = p.tp * p.replicas
@@ -491,12 +494,22 @@ def _zero3_groups_of(units: list[Unit], phase: str, p: Parallel, device: DeviceP
         compute = sum(u.costs[ph][0] for u in members for ph in phases) + sum(
             _comms_ns(u, phase, p, device) for u in members)
         gathers, scatters = fsdp_comms(members, p, param_itemsize, grad_itemsize, fp8_modules)
-        gather = sum(comm_ns(c, p, device) for c in gathers)
-        if phase != FORWARD and not p.reshard_after_forward:
-            gather = 0.0  # FSDP2 reshard_after_forward=False: the forward's gathered parameters stay
+        gathered = phase == FORWARD or p.reshard_after_forward  # reshard_after_forward=False: the forward's stay
+        gather = sum(comm_ns(c, p, device) for c in gathers) if gathered else 0.0
         scatter = 0.0 if phase == FORWARD else sum(comm_ns(c, p, device) for c in scatters)
-        groups.append(Group(compute_ns=compute, gather_ns=gather, reduce_scatter_ns=scatter))
+        groups.append(Group(compute_ns=compute, gather_ns=gather, reduce_scatter_ns=scatter,
+                            copy_ns=fsdp2_copies_ns((gathers if gathered else []) + (scatters if phase != FORWARD else []),
+                                                    device)))
     return groups if phase == FORWARD else groups[::-1]
+
+
+def fsdp2_copies_ns(comms: list, device: DeviceProfile | None) -> float:
+    """FSDP2's copy kernels on the compute stream that go with ``comms`` (their ``copy_bytes``: zero3.py), each
+    one memory-bound kernel; 0 with no profile or one without the GPU model."""
+    if device is None or not device.sm_count:
+        return 0.0
+    facts, model = device.gpu_facts(), device.gpu_model()
+    return sum(memory_ns(c.copy_bytes, facts, model, casts=c.copy_casts) for c in comms if c.copy_bytes)
 
 
 def _fp8_weight_cast_ns(chunks: list[list[Unit]], workload: Workload, device: DeviceProfile) -> float:

@@ -11,6 +11,14 @@ from forward to backward. What the communication stream runs, in the order it is
 - backward, units in reverse: the same prefetch of the next unit's gather when a unit starts, and
   the unit's gradient reduce-scatter when its backward ends (``BACKWARD_PRE`` prefetch).
 
+FSDP2 (``torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py``) also runs two copies per unit
+on the compute stream: after each gather, ``foreach_all_gather_copy_out`` splits the gathered buffer
+into the unsharded parameters (``split_with_sizes_copy``: the unit's parameter bytes read and
+written); before each reduce-scatter, ``foreach_reduce_scatter_copy_in`` packs the unsharded
+gradients into the reduce-scatter input in the reduce dtype (``chunk_cat``: the gradients read in the
+parameters' dtype, written in the reduce dtype). Its copy-in of the local shards before a gather runs
+on a stream of its own and moves 1/dp of that: not counted.
+
 A unit computes once its parameters are in and the previous unit is done, so a gather longer than
 the unit before it, and the first gather of every pass, are exposed. While a collective runs beside
 it, compute is slowed by the share of the GPU's SMs that NCCL's kernels hold (one CTA per channel,
@@ -34,6 +42,7 @@ class Group:
     compute_ns: float
     gather_ns: float
     reduce_scatter_ns: float = 0.0
+    copy_ns: float = 0.0  # FSDP2's copy-out after the gather and copy-in before the reduce-scatter (compute stream)
 
 
 @dataclass(frozen=True)
@@ -42,6 +51,7 @@ class PassTimeline:
     exposed_gather_ns: float  # compute waiting for parameters
     trailing_ns: float  # communication still running when the compute ends (the last reduce-scatter)
     slowdown_ns: float  # compute lost to the SMs NCCL's kernels held
+    copy_ns: float = 0.0  # FSDP2's copy kernels on the compute stream
 
 
 def compute_share_lost(sm_count: int | None) -> float:
@@ -74,10 +84,11 @@ def simulate_pass(groups: list[Group], share_lost: float) -> PassTimeline:
             ready[i + 1] = issue(start, groups[i + 1].gather_ns)
         while first < len(stream) and stream[first][1] <= start:
             first += 1
-        busy = sum(max(0.0, min(e, start + group.compute_ns) - max(s, start)) for s, e in stream[first:])
+        work = group.compute_ns + group.copy_ns
+        busy = sum(max(0.0, min(e, start + work) - max(s, start)) for s, e in stream[first:])
         lost = share_lost * busy
-        end = start + group.compute_ns + lost
+        end = start + work + lost
         slowdown += lost
         issue(end, group.reduce_scatter_ns)
     return PassTimeline(duration_ns=end, exposed_gather_ns=exposed, trailing_ns=max(0.0, free - end),
-                        slowdown_ns=slowdown)
+                        slowdown_ns=slowdown, copy_ns=sum(g.copy_ns for g in groups))

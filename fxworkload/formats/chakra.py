@@ -212,13 +212,16 @@ def _rank_nodes(pb, cluster, rank: int, groups: dict) -> list:
                 groups.append(group)
         phase_gathers = 1 if forward else 2
         ready = [issue(mb, c, groups[0][0][0], list(b.last)) for c in groups[0][phase_gathers]] if groups else []
-        for i, (members, *_, scatters) in enumerate(groups):
+        for i, group in enumerate(groups):
+            members, scatters = group[0], group[3]
             b.last = [*b.last, *ready]
             if i + 1 < len(groups):
                 ready = [issue(mb, c, groups[i + 1][0][0], list(b.last)) for c in groups[i + 1][phase_gathers]]
+            _copy_node(b, pb, f"mb{mb} {members[0].name} FSDP2 copy-out", group[phase_gathers], cluster)
             for unit in members if forward else reversed(members):
                 _unit_nodes(b, pb, unit, forward, mb, p, cluster, completes)
             if not forward:
+                _copy_node(b, pb, f"mb{mb} {members[0].name} FSDP2 copy-in", scatters, cluster)
                 for c in scatters:
                     issue(mb, c, members[0], list(b.last))
         target = virtual + 1 if forward else virtual - 1
@@ -265,6 +268,15 @@ def _unit_nodes(b: _Builder, pb, unit, forward: bool, mb: int, p, cluster, compl
     b.last = [*b.last, *beside]
     for comm in (c for c in comms if c.group != "cp" and not c.overlapped):
         b.collective(f"mb{mb} {unit.name} {comm.type} {comm.group}", comm, comm_ns(comm, p, cluster.profile))
+
+
+def _copy_node(b: _Builder, pb, name: str, comms, cluster) -> None:
+    """FSDP2's copy kernel that goes with these collectives, on the compute chain (cluster/zero3.py)."""
+    from ..cluster.step import fsdp2_copies_ns
+
+    duration = fsdp2_copies_ns(list(comms), cluster.profile)
+    if duration:
+        b.chain(name, pb.COMP_NODE, duration_ns=duration, num_ops=0, tensor_size=sum(c.copy_bytes for c in comms))
 
 
 def _fsdp_groups(units) -> dict[int, tuple]:

@@ -112,7 +112,8 @@ def step_units(rank: RankWorkload) -> list[Unit]:
 
 def _rows(unit: Unit, p, device) -> list[SimaiRow]:
     comms = [[c for c in unit.comms[phase] if c.group != "cp" and not c.overlapped] for phase in PHASES]
-    folded = [_folded_ns(unit, phase, p, device) for phase in PHASES]
+    copies = _fsdp2_copies(unit, device)
+    folded = [_folded_ns(unit, phase, p, device) + copies[phase] for phase in PHASES]
     name = EMBEDDING_ROW if unit.block == EMBEDDING else unit.name
     rows = []
     for k in range(max(1, *(len(c) for c in comms))):
@@ -121,6 +122,21 @@ def _rows(unit: Unit, p, device) -> list[SimaiRow]:
         rows.append(SimaiRow(name if k == 0 else f"{unit.name}_comm{k}",
                              *(x for t, (kind, size) in zip(times, cells) for x in (t, kind, size))))
     return rows
+
+
+def _fsdp2_copies(unit: Unit, device) -> dict[str, float]:
+    """A ZeRO 3 row's FSDP2 copy kernels (cluster/zero3.py) as compute in the pass that runs them, as the cluster
+    step does: a gather's copy-out in the pass it gathers for, a reduce-scatter's copy-in in backward (the row
+    comes right after its unit's backward, which SimAI runs in reverse)."""
+    from ..cluster.step import fsdp2_copies_ns
+
+    forward, input_grad, weight_grad = PHASES
+    out = dict.fromkeys(PHASES, 0.0)
+    for comm in unit.comms[weight_grad] if unit.block == "dp" else ():
+        phase = (forward if comm.what.endswith("for forward") else input_grad if comm.what.endswith("for backward")
+                 else weight_grad)
+        out[phase] += fsdp2_copies_ns([comm], device)
+    return out
 
 
 def _folded_ns(unit: Unit, phase: str, p, device) -> float:

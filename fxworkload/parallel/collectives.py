@@ -134,10 +134,14 @@ def fsdp_comms(members: list[Unit], p: Parallel, param_itemsize: int, grad_items
         shards["dp_ep" if is_expert(g.module) and p.ep > 1 else "dp"].append(g)
     sizes = {"dp": p.replicas, "dp_ep": p.dp // p.ep}
     kept = {group: grads for group, grads in shards.items() if grads and sizes[group] > 1}
-    gathers = [Comm(ALLGATHER, group, parameter_bytes(grads, param_itemsize, fp8_modules), "parameters")
-               for group, grads in kept.items()]
-    scatters = [Comm(REDUCESCATTER, group, sum(g.elements for g in grads) * grad_itemsize, "gradients")
-                for group, grads in kept.items()]
+    gathers = []
+    for group, grads in kept.items():  # FSDP2's copy-out reads the gathered buffer and writes the parameters
+        gathered = parameter_bytes(grads, param_itemsize, fp8_modules)
+        gathers.append(Comm(ALLGATHER, group, gathered, "parameters", copy_bytes=2 * gathered))
+    # its copy-in reads the gradients in the parameters' dtype and writes them in the reduce dtype
+    scatters = [Comm(REDUCESCATTER, group, elements * grad_itemsize, "gradients",
+                     copy_bytes=elements * (param_itemsize + grad_itemsize), copy_casts=param_itemsize != grad_itemsize)
+                for group, elements in ((group, sum(g.elements for g in grads)) for group, grads in kept.items())]
     return gathers, scatters
 
 

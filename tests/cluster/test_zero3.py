@@ -54,3 +54,47 @@ def test_the_cluster_step_runs_each_pass_on_the_two_streams(tiny_dirs):
     assert sharded.pipeline_ns > plain.pipeline_ns
     assert kept.exposed_ns["zero3_gather"] < sharded.exposed_ns["zero3_gather"]
     assert kept.pipeline_ns < sharded.pipeline_ns
+
+
+def test_fsdp2s_copies_move_what_its_source_says():
+    """By hand from torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py, for a unit of E parameters in
+    bf16 reduced in fp32 over 4 ranks: after its gather of 2E bytes, split_with_sizes_copy reads and writes
+    them (4E); before its reduce-scatter, chunk_cat reads E bf16 gradients and writes E fp32 (6E bytes, a
+    casting kernel). Each is one memory-bound kernel of those bytes on the compute stream."""
+    from fxworkload.cluster.step import fsdp2_copies_ns
+    from fxworkload.cost.devices import load
+    from fxworkload.cost.gpu import memory_ns
+    from fxworkload.parallel.collectives import fsdp_comms
+    from fxworkload.parallel.units import Unit
+    from fxworkload.workload.table import GradRow
+
+    elements = 3 << 26
+    unit = Unit(name="layer0", block="layer", layer=0,
+                grads=[GradRow("w", "model.layers.0.mlp", ["weight"], elements, 4 * elements)])
+    (gather,), (scatter,) = fsdp_comms([unit], Parallel(dp=4, zero=3), 2, 4)
+    assert (gather.copy_bytes, gather.copy_casts) == (4 * elements, False)
+    assert (scatter.copy_bytes, scatter.copy_casts) == (6 * elements, True)
+    device = load("h100-sxm")
+    facts, model = device.gpu_facts(), device.gpu_model()
+    assert fsdp2_copies_ns([gather, scatter], device) == pytest.approx(
+        memory_ns(4 * elements, facts, model) + memory_ns(6 * elements, facts, model, casts=True))
+    assert fsdp2_copies_ns([gather], None) == 0.0
+
+
+def test_a_units_copies_run_on_the_compute_stream_after_its_gather():
+    """One unit, gather 5, compute 10, copies 3: the compute stream waits 5, then runs 13."""
+    timeline = simulate_pass([Group(compute_ns=10.0, gather_ns=5.0, copy_ns=3.0)], 0.0)
+    assert timeline.duration_ns == 18.0 and timeline.exposed_gather_ns == 5.0 and timeline.copy_ns == 3.0
+
+
+def test_the_step_counts_fsdp2s_copies_in_every_pass_of_zero3_only(tiny_dirs):
+    """ZeRO 3 reports its copies; ZeRO 1 has none; keeping the gathered parameters drops the backward's
+    copy-outs (fewer copies), and an fp32 reduce dtype makes the copy-in move 6 bytes an element, not 4."""
+    run = dict(batch=1, seq=16, dtype="bf16", device="h100-sxm")
+    steps = {name: extract(str(tiny_dirs["llama4"]), parallel=Parallel(dp=8, **kw), **run, **extra).cluster
+             for name, kw, extra in (("zero1", {"zero": 1}, {}), ("zero3", {"zero": 3}, {}),
+                                     ("kept", {"zero": 3, "reshard_after_forward": False}, {}),
+                                     ("fp32", {"zero": 3}, {"grad_dtype": "fp32"}))}
+    copies = {name: step.exposed_ns.get("zero3_copies", 0.0) for name, step in steps.items()}
+    assert copies["zero1"] == 0 and copies["zero3"] > 0
+    assert copies["kept"] < copies["zero3"] < copies["fp32"]

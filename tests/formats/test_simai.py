@@ -319,3 +319,21 @@ def test_overlapped_tp_collectives_are_folded_into_simai_compute(tiny_dirs):
         exposed = exposed_comms_ns(unit, FORWARD, p, result.device)["tp"]
         assert row.forward_ns == round(unit.ns(FORWARD) + exposed)
     assert rows["head"].forward_comm != "NONE"  # the head's vocabulary-parallel collectives stay blocking
+
+
+@pytest.mark.parametrize("reshard", [True, False])
+def test_zero3_simai_rows_carry_fsdp2s_copies_as_the_step_runs_them(tiny_dirs, reshard):
+    """FSDP2's copy kernels (cluster/zero3.py) are compute the step spends: the SimAI file holds the same
+    time, each in the pass that runs it: the ZeRO 3 rows' compute (the file repeats them for each micro-batch)
+    sums to the cluster step's zero3_copy_ns; the forward gathers' copy-outs in the forward column, the
+    backward's (none when the forward's parameters are kept) in the input-gradient column."""
+    result = extract(str(tiny_dirs["llama4"]), batch=1, seq=16, dtype="bf16", grad_dtype="fp32", device="h100-sxm",
+                     parallel=Parallel(dp=2, zero=3, micro_batches=2, reshard_after_forward=reshard))
+    rows = [r for r in from_rank(result.rank, result.device).rows if "_param_allgather_" in r.name
+            or "_reducescatter_" in r.name]
+    copies_ns = sum(r.forward_ns + r.input_grad_ns + r.weight_grad_ns for r in rows)
+    assert copies_ns == pytest.approx(result.cluster.devices[0].zero3_copy_ns, abs=len(rows))  # whole ns a row
+    assert all(r.forward_ns > 0 for r in rows if r.name.endswith("_forward"))
+    assert all(r.input_grad_ns > 0 for r in rows if r.name.endswith("_backward"))
+    assert any(r.name.endswith("_backward") for r in rows) == reshard
+    assert all(r.weight_grad_ns > 0 for r in rows if "_reducescatter_" in r.name)
