@@ -6,6 +6,7 @@ kernels (shared/gpu-kernels), the H200 has never been fitted on.
 1. Whole eager steps (bench/steps.py's cases) and GPT-2 under torch.compile: measured, estimated
    (workload.json's step_estimated_ns; the compiled rows with --stack compiled), the error, and
    whether the 90 % interval covers the measurement.
+   Then each step's peak memory (max_memory_allocated) against the estimate's step_peak_bytes.
 2. Each step's torch.profiler trace through ``fxworkload compare``: the step's kernel time against
    the estimate, the share of the trace's kernel time tied to graph nodes, and each kind's
    time-weighted error.
@@ -61,6 +62,20 @@ def step_rows(root: Path) -> list[list]:
         totals = extract(str(ROOT / "models" / "gpt2"), batch=8, seq=1024, dtype="bf16", device=profile,
                          stack="compiled").totals
         rows.append(_step_row(gpu, "gpt2, b8 s1024 bf16, torch.compile", stacks["compile_step_ms"], totals))
+    return rows
+
+
+def memory_rows(root: Path) -> list[list]:
+    """Each eager step's measured peak (max_memory_allocated over one step, above what was allocated before it:
+    the parameters) against the estimate's step_peak_bytes, which counts the same (profile.py)."""
+    rows = []
+    for gpu, profile in PROFILES.items():
+        measured = {c["case"]: c for c in json.loads((DATA / gpu / "steps.json").read_text())["cases"]}
+        for index, (name, model, layers, changes, batch, seq, dtype, _, _) in enumerate(CASES):
+            folder = case_dir(root / f"mem-{gpu}-{index}", model, layers, changes)
+            estimated = extract(str(folder), batch=batch, seq=seq, dtype=dtype, device=profile).totals["step_peak_bytes"]
+            peak = measured[name]["step_peak_bytes"]
+            rows.append([gpu, name, f"{peak / 2 ** 30:.2f}", f"{estimated / 2 ** 30:.2f}", _pct(estimated, peak)])
     return rows
 
 
@@ -146,6 +161,9 @@ def main() -> int:
         print("Whole steps (median of 10, CUDA events)\n")
         print(tabulate(step_rows(root), headers=["gpu", "case", "measured_ms", "estimated_ms", "error",
                                                  "interval_90pct_ms", "covered"], tablefmt="github"))
+        print("\nPeak memory of each eager step (allocated, above the parameters)\n")
+        print(tabulate(memory_rows(root), headers=["gpu", "case", "measured_gib", "estimated_gib", "error"],
+                       tablefmt="github"))
         rows, kinds = trace_rows(root)
         print("\nProfiler traces through fxworkload compare (kernel time per step; time-weighted error per kind)\n")
         print(tabulate(rows, headers=["gpu", "case", "trace_ms", "estimated_ms", "error", "tied", *kinds],
