@@ -443,8 +443,8 @@ def op_from_json(op: dict, row: int) -> OpCost:
         return UserError(f"workload.json row {row}: op field '{field}' is not what extract writes; "
                          "pass the folder extract wrote for the traced step")
 
-    def sizes(value, count=None) -> tuple[int, ...] | None:
-        if value is None:
+    def sizes(value, count=None, required=False) -> tuple[int, ...] | None:
+        if value is None and not required:
             return None
         if not isinstance(value, list) or (count and len(value) != count) or not all(whole_number(v) for v in value):
             raise ValueError
@@ -459,7 +459,7 @@ def op_from_json(op: dict, row: int) -> OpCost:
         for key in ("input_shapes", "output_shapes"):
             if not isinstance(op.get(key), list):
                 raise bad(key)
-            fields[key] = [list(sizes(shape)) for shape in op[key]]
+            fields[key] = [list(sizes(shape, required=True)) for shape in op[key]]
         for key in ("input_dtypes", "output_dtypes"):
             if not isinstance(op.get(key), list) or not all(name in DTYPE_NAMES_READ for name in op[key]):
                 raise bad(key)
@@ -476,8 +476,8 @@ def op_from_json(op: dict, row: int) -> OpCost:
         attention = op.get("attention")
         if attention is not None and not _attention_ok(attention):
             raise bad("attention")
-    except ValueError:
-        raise bad("shapes") from None
+    except (ValueError, TypeError):  # a size that is not a list of whole numbers, a dtype name that is not a string
+        raise bad("shapes or dtypes") from None
     return OpCost(fx_name="", estimated_ns=0.0, has_flop_rule=True, gemm_batch=batch, attention=attention,
                   sdpa_backend=op.get("sdpa_backend") if isinstance(op.get("sdpa_backend"), str) else None,
                   fused_ops=op.get("fused_ops") if whole_number(op.get("fused_ops")) else 0,

@@ -68,10 +68,12 @@ def _ops(row: dict) -> list:
 
 
 @pytest.mark.parametrize("field, value", [("input_dtypes", ["load"]), ("gemm_mkn", [1, -2, 3]),
-                                          ("flops", 1.5), ("attention", {"backend": "os.system"})])
+                                          ("flops", 1.5), ("attention", {"backend": "os.system"}),
+                                          ("input_shapes", [None]), ("input_shapes", [[2, "x"]]),
+                                          ("output_dtypes", [["float32"]]), ("gemm_leading", "abc")])
 def test_a_workload_op_not_as_extract_writes_it_is_refused_naming_the_field(measured, field, value):
     op = next(op for row in measured["rows"] for op in _ops(row) if op and op.get("gemm_mkn"))
-    with pytest.raises(UserError, match=f"row 7: op field '({field}|shapes)'"):
+    with pytest.raises(UserError, match=f"row 7: op field '({field}|shapes or dtypes)'"):
         op_from_json({**op, field: value}, 7)
 
 
