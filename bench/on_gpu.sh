@@ -5,7 +5,10 @@
 # `calibrate --on cuda` (the kernel CSVs and the refitted profile), GPT-2 eager and compiled with
 # a minute of sustained GEMMs (bench/gpu_stacks.py). Results are packed into $OUT/results.tar.gz
 # after every step. ONLY picks steps; wheels in .whl/ (HolisticTraceAnalysis, which `profile --on
-# cuda` reads its trace with, and what it needs) are installed first where the GPU's Python lacks them.
+# cuda` reads its trace with, and what it needs) are installed first where the GPU's Python lacks them;
+# fetch them where pip reaches PyPI (the lent machines reach nothing):
+#     pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#         --platform manylinux_2_28_x86_64 -d .whl holistictraceanalysis==0.5.0 pydot==4.0.1 plotly==7.1.0
 #
 #     OUT=outputs/on-gpu bash bench/on_gpu.sh          # PY=python3, ONLY=all steps by default
 set -u
