@@ -39,7 +39,7 @@ import json
 
 from ..capture.trace import FORWARD, INPUT_GRAD, WEIGHT_GRAD
 from ..errors import UserError
-from ..parallel.collectives import ALLGATHER
+from ..parallel.collectives import ALLGATHER, gathered_for
 
 MAX_RANKS = 1024  # one file per rank: past this the folder is larger than any simulator run wants
 COMM_TYPES = {"ALLREDUCE": "ALL_REDUCE", "ALLGATHER": "ALL_GATHER", "REDUCESCATTER": "REDUCE_SCATTER",
@@ -288,7 +288,7 @@ def _fsdp_groups(units) -> dict[int, tuple]:
         if unit.block == "dp":
             for comm in unit.comms[WEIGHT_GRAD]:
                 if comm.type == ALLGATHER:
-                    groups[-1][2 if comm.what.endswith("backward") else 1].append(comm)
+                    groups[-1][2 if gathered_for(comm) == "backward" else 1].append(comm)
                 else:
                     scatters.append(comm)
             continue

@@ -38,6 +38,7 @@ from pathlib import Path
 from ..capture.trace import PHASES
 from ..cluster.schedule import FORWARD as FORWARD_PASS, device_order
 from ..errors import UserError
+from ..parallel.collectives import gathered_for
 from ..parallel.rank import RankWorkload
 from ..parallel.units import EMBEDDING, Comm, Unit
 
@@ -133,8 +134,7 @@ def _fsdp2_copies(unit: Unit, device) -> dict[str, float]:
     forward, input_grad, weight_grad = PHASES
     out = dict.fromkeys(PHASES, 0.0)
     for comm in unit.comms[weight_grad] if unit.block == "dp" else ():
-        phase = (forward if comm.what.endswith("for forward") else input_grad if comm.what.endswith("for backward")
-                 else weight_grad)
+        phase = {"forward": forward, "backward": input_grad}.get(gathered_for(comm), weight_grad)
         out[phase] += fsdp2_copies_ns([comm], device)
     return out
 

@@ -212,12 +212,14 @@ def compare(estimated: dict, measured: dict) -> Comparison:
         estimated_settings=estimated.get("settings", {}), measured_settings=measured.get("settings", {}),
         trace=measured.get("trace"), measured_warning=_measured_warning(measured.get("totals", {})),
         estimated_optimizer_ns=((estimated.get("cluster") or {}).get("exposed_ns") or {}).get("optimizer"),
-        estimated_dropout_ops=sum(1 for row in estimated_rows for op in _ops_of(row)
+        estimated_dropout_ops=sum(1 for row in estimated_rows for op in row_ops(row)
                                   if op.get("op", "").startswith(("aten.native_dropout", "aten.bernoulli_"))))
 
 
-def _ops_of(row: dict) -> list[dict]:
-    return [row["forward"], *(row.get("input_grad") or []), *(row.get("weight_grad") or [])]
+def row_ops(row: dict) -> list[dict]:
+    """A node row's ops, forward first (a measured row's forward is None where the trace did not run it)."""
+    forward = [row["forward"]] if row.get("forward") is not None else []
+    return [*forward, *(row.get("input_grad") or []), *(row.get("weight_grad") or [])]
 
 
 def _measured_warning(totals: dict) -> str | None:

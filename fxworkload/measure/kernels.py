@@ -310,10 +310,13 @@ def fit(samples: list[Sample], device: DeviceProfile, rounds: int = 6, gap_ns: f
         mine = [s for s in samples if s.family == family]
         if not mine:
             continue
-        weights = [s.measured_ns if by_time else 1.0 for s in mine]
+        weights = [s.measured_ns for s in mine] if by_time else None
 
         def loss(candidate: GpuModel) -> float:
             errors = [abs(e) for e in relative_errors(mine, with_model(device, candidate), gap_ns)]
+            if weights is None:
+                errors.sort()
+                return statistics.median(errors) + 0.3 * errors[int(0.9 * (len(errors) - 1))]
             return _quantile(errors, weights, 0.5) + 0.3 * _quantile(errors, weights, 0.9)
 
         best = loss(model)
@@ -328,8 +331,7 @@ def fit(samples: list[Sample], device: DeviceProfile, rounds: int = 6, gap_ns: f
 
 
 def _quantile(values: list[float], weights: list[float], q: float) -> float:
-    """The smallest value whose share of the total weight at or below it reaches q (equal weights: the
-    q-quantile of the values, the lower one of a tie)."""
+    """The weighted q-quantile: the smallest value whose share of the total weight at or below it reaches q."""
     pairs = sorted(zip(values, weights))
     total, running = sum(weights), 0.0
     for value, weight in pairs:
@@ -423,16 +425,17 @@ def fitted_from_trace(measured: dict, base: DeviceProfile, name: str, trace_name
 def trace_samples(measured: dict) -> list[Sample]:
     """One sample per op of a GPU trace that ran kernels and is tied to a workload op (views, fused
     ops and ops the trace has no time for left out)."""
+    from .compare import row_ops
+
     found = []
     for index, row in enumerate(measured["rows"]):
-        for phase in (FORWARD, "input_grad", "weight_grad"):
-            for op in [row.get(phase)] if phase == FORWARD else row.get(phase) or []:
-                if not op or not finite_number(op.get("measured_ns"), 1.0, MAX_US * 1e3):
-                    continue
-                cost = op_from_json(op, index)
-                if cost.kind == "view" or cost.fused or not (cost.flops or cost.bytes):
-                    continue
-                found.append(Sample(kernel_family(cost), cost.kind, float(op["measured_ns"]), (cost,), index))
+        for op in row_ops(row):
+            if not finite_number(op.get("measured_ns"), 1.0, MAX_US * 1e3):
+                continue
+            cost = op_from_json(op, index)
+            if cost.kind == "view" or cost.fused or not (cost.flops or cost.bytes):
+                continue
+            found.append(Sample(kernel_family(cost), cost.kind, float(op["measured_ns"]), (cost,), index))
     return found
 
 

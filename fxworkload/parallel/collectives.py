@@ -181,9 +181,17 @@ def _zero3_rows(units: list[Unit], p: Parallel, grad_itemsize: int, param_itemsi
         out += [_dp_row(f"{c.group}_reducescatter_{name}", c) for c in scatters]
         out += members
         phases = ("backward", "forward") if p.reshard_after_forward else ("forward",)
-        out += [_dp_row(f"{c.group}_param_allgather_{name}_{phase}", replace(c, what=f"parameters for {phase}"))
+        out += [_dp_row(f"{c.group}_param_allgather_{name}_{phase}", replace(c, what=GATHERED_FOR + phase))
                 for phase in phases for c in gathers]
     return out
+
+
+GATHERED_FOR = "parameters for "  # a ZeRO 3 row's gather: "parameters for forward" or "... for backward"
+
+
+def gathered_for(comm: Comm) -> str | None:
+    """The pass ("forward" or "backward") a ZeRO 3 row's parameter gather serves; None for another collective."""
+    return comm.what.removeprefix(GATHERED_FOR) if comm.what.startswith(GATHERED_FOR) else None
 
 
 def _data_parallel_rows(units: list[Unit], p: Parallel, grad_itemsize: int, param_itemsize: int,

@@ -14,7 +14,7 @@ import pytest
 
 from fxworkload.cost import devices
 from fxworkload.errors import UserError
-from fxworkload.measure.compare import load_document, load_measured
+from fxworkload.measure.compare import load_document, load_measured, row_ops
 from fxworkload.measure.kernels import fitted_from_trace, median_abs_pct, op_from_json, trace_samples, with_model
 from fxworkload.workload.table import op_estimate_ns
 
@@ -58,13 +58,9 @@ def test_workload_ops_read_back_cost_what_extract_costed(measured):
     rows = trace_samples(measured)
     assert len(rows) > 500
     for sample in rows:
-        written = next(op for row in measured["rows"] for op in _ops(row) if op is not None and op.get(
+        written = next(op for row in measured["rows"] for op in row_ops(row) if op.get(
             "measured_ns") == sample.measured_ns and op["op"] == sample.ops[0].op)
         assert op_estimate_ns(sample.ops[0], device) == pytest.approx(written["estimated_ns"], rel=1e-9)
-
-
-def _ops(row: dict) -> list:
-    return [row.get("forward"), *(row.get("input_grad") or []), *(row.get("weight_grad") or [])]
 
 
 @pytest.mark.parametrize("field, value", [("input_dtypes", ["load"]), ("gemm_mkn", [1, -2, 3]),
@@ -72,7 +68,7 @@ def _ops(row: dict) -> list:
                                           ("input_shapes", [None]), ("input_shapes", [[2, "x"]]),
                                           ("output_dtypes", [["float32"]]), ("gemm_leading", "abc")])
 def test_a_workload_op_not_as_extract_writes_it_is_refused_naming_the_field(measured, field, value):
-    op = next(op for row in measured["rows"] for op in _ops(row) if op and op.get("gemm_mkn"))
+    op = next(op for row in measured["rows"] for op in row_ops(row) if op and op.get("gemm_mkn"))
     with pytest.raises(UserError, match=f"row 7: op field '({field}|shapes or dtypes)'"):
         op_from_json({**op, field: value}, 7)
 
@@ -87,7 +83,7 @@ def test_a_fit_to_a_trace_recovers_the_gpu_model_that_made_its_times(measured):
                                      memory_efficiency=model.memory_efficiency / 1.2))
     synthetic = json.loads(json.dumps(measured))
     for row in synthetic["rows"]:
-        for op in _ops(row):
+        for op in row_ops(row):
             if op and op.get("measured_ns"):
                 op["measured_ns"] = op_estimate_ns(op_from_json(op, 0), truth)
     fitted, report = fitted_from_trace(synthetic, base, "synthetic", "synthetic.json")
