@@ -31,3 +31,20 @@ def write(document: dict, added: list[dict], path) -> None:
     document["traceEvents"] += added
     document["deviceProperties"] = [{"id": 0, "name": "NVIDIA H100 80GB HBM3"}]
     path.write_text(json.dumps(document))
+
+
+def with_structural_times(trace_path, out_path) -> None:
+    """The trace with every timestamp replaced by its rank among all the trace's timestamps (in µs): order and
+    nesting as recorded, an op lasting as many ranks as boundaries fall inside it. A share of op time read from
+    it says what was tied, not how long a loaded machine took (CI's is shared: one preempted op swings a real
+    trace's shares by several percent; bench/lent_gpus.py quotes real ones)."""
+    document = json.loads(trace_path.read_text())
+    events = [e for e in document["traceEvents"] if "ts" in e]
+    bounds = sorted({float(e["ts"]) for e in events} | {float(e["ts"]) + float(e.get("dur", 0)) for e in events})
+    rank = {t: i for i, t in enumerate(bounds)}
+    for e in events:
+        start, end = rank[float(e["ts"])], rank[float(e["ts"]) + float(e.get("dur", 0))]
+        e["ts"] = start
+        if "dur" in e:
+            e["dur"] = end - start
+    out_path.write_text(json.dumps(document))
