@@ -59,3 +59,9 @@ def tiny_dirs(tmp_path_factory):
     dirs["llama4"] = tmp_path_factory.mktemp("tiny-llama4")  # four layers: pp 2 x vpp 2
     tiny_config("llama", num_hidden_layers=4).save_pretrained(dirs["llama4"])
     return dirs
+
+
+def pytest_collection_modifyitems(items):
+    """Tests marked long first (a stable sort, the same order on every xdist worker): started last, one
+    would keep the suite running minutes after the other workers are done."""
+    items.sort(key=lambda item: item.get_closest_marker("long") is None)

@@ -175,6 +175,7 @@ def _run(example: Example, cwd: Path) -> subprocess.CompletedProcess:
 RUNNABLE = [page for page in PAGES if any(not e.why_not for e in examples(page))]
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("page", RUNNABLE, ids=lambda p: p.name)
 def test_every_example_runs_as_written_in_order(page, scratch):
     """Each runnable example of the page, in order, exits 0 with no traceback; what it names with --out is a
