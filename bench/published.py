@@ -100,6 +100,10 @@ TORCHTITAN = {
     "torchtitan 405B FSDP+TP": ("405b", 16, 8, 2, 8192, "full", "eager", None, False, 109, None),
     "torchtitan 405B FSDP+TP Float8": ("405b", 16, 8, 2, 8192, "full", "compiled", "torchao", False, 177, None),
     "torchtitan 405B FSDP+TP Float8 AsyncTP": ("405b", 16, 8, 2, 8192, "full", "compiled", "torchao", True, 185, None),
+    # its Table 4 (Llama 3.1 70B, 256 GPUs, local batch 16, full AC, compile, Float8): 2D, then 2D + AsyncTP
+    "torchtitan 70B FSDP+TP Float8": ("llama-3-70b", 32, 8, 16, 8192, "full", "compiled", "torchao", False, 829, 71.9),
+    "torchtitan 70B FSDP+TP Float8 AsyncTP": ("llama-3-70b", 32, 8, 16, 8192, "full", "compiled", "torchao", True, 876,
+                                              67.6),
 }
 # name: (tp, cp, pp, dp, seq, sequences per DP rank, published TFLOP/s per GPU)
 LLAMA = {"405B 8192 GPUs": (8, 1, 16, 64, 8192, 32, 430), "405B 16384 GPUs": (8, 1, 16, 128, 8192, 16, 400),

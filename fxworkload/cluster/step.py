@@ -388,21 +388,38 @@ def exposed_comms_ns(unit: Unit, phase: str, p: Parallel, device: DeviceProfile)
     tensor-parallel ones overlapped with the unit's GEMMs (--tp-comm-overlap) what they outlast those by,
     and at least one of the tp chunks they are pipelined in (Transformer Engine's userbuffers split an
     all-gather + GEMM or GEMM + reduce-scatter into tp steps: the first chunk's transfer, or the last's,
-    has no GEMM beside it)."""
+    has no GEMM beside it). One beside the row-parallel linear's input-gradient GEMM only (AsyncTP's backward
+    gather) is set against that GEMM alone, which the others then do not count."""
     out: dict[str, float] = {}
     overlapped: dict[str, float] = {}
+    beside_dgrad_ns = 0.0
     for c in unit.comms[phase]:
+        if c.beside == "dgrad":
+            beside_dgrad_ns += comm_ns(c, p, device)
+            continue
         into = overlapped if c.overlapped else out
         into[c.group] = into.get(c.group, 0.0) + comm_ns(c, p, device)
     phases = (FORWARD,) if phase == FORWARD else (INPUT_GRAD, WEIGHT_GRAD)
+    dgrad_ns = _row_parallel_dgrad_ns(unit) if beside_dgrad_ns else 0.0
     for group, ns in overlapped.items():
         if group == "tp":
-            gemm = sum(op.estimated_ns for ph in phases for op in unit.ops(ph) if op.kind == "matmul")
+            gemm = sum(op.estimated_ns for ph in phases for op in unit.ops(ph) if op.kind == "matmul") - dgrad_ns
             out[group] = out.get(group, 0.0) + max(ns / p.tp, ns - gemm)
         else:
             core = sum(unit.core_ns[ph] for ph in phases)
             out[group] = out.get(group, 0.0) + max(ns - core, 0.0)
+    if beside_dgrad_ns:
+        out["tp"] = out.get("tp", 0.0) + max(beside_dgrad_ns / p.tp, beside_dgrad_ns - dgrad_ns)
     return out
+
+
+def _row_parallel_dgrad_ns(unit: Unit) -> float:
+    """The input-gradient GEMM of the unit's last linear layer (its row-parallel one: o_proj, down_proj): the
+    last GEMM of that row's backward (a recomputed forward's GEMM, where there is one, comes first)."""
+    linear = next((row for row in reversed(unit.rows) if getattr(row, "forward", None) is not None
+                   and row.forward.kind == "matmul"), None)
+    gemms = [op for op in (linear.input_grad if linear else []) if op.kind == "matmul"]
+    return gemms[-1].estimated_ns if gemms else 0.0
 
 
 def _blocking_comm(passes: list[tuple[float, dict[str, float]]]) -> dict[str, float]:

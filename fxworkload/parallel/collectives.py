@@ -37,20 +37,24 @@ def stage_units(units: list[Unit], stage_layers: range, first: bool, last: bool)
 
 
 def add_model_parallel(units: list[Unit], p: Parallel, micro_batch: int, seq: int, hidden: int,
-                       act_itemsize: int, top_k: int, rank_kv_bytes: int = 0) -> None:
+                       act_itemsize: int, top_k: int, rank_kv_bytes: int = 0,
+                       recomputed: frozenset[int] = frozenset(), tp_overlap: str = "userbuffers") -> None:
     """Attach the tensor-, context- and expert-parallel collectives to each unit, in the order they run.
-    ``seq``: the rank's tokens (seq / cp); ``rank_kv_bytes``: one layer's keys and values on this rank.
-    Units of one kind share the same (frozen) Comm objects."""
+    ``seq``: the rank's tokens (seq / cp); ``rank_kv_bytes``: one layer's keys and values on this rank;
+    ``recomputed``: the layers whose whole forward runs again before their backward (full recomputation:
+    Megatron-Core's CheckpointFunction and torch.utils.checkpoint re-run the block's collectives with it),
+    whose backward starts with their forward's collectives again; ``tp_overlap``: how --tp-comm-overlap
+    overlaps a block's (the stack's, workload/stacks.py). Units of one kind share the same (frozen) Comm objects."""
     act = micro_batch * seq * hidden * act_itemsize
     tokens = micro_batch * seq // (p.tp if p.sp else 1)
     cp_forward, cp_backward = cp_comms(p, rank_kv_bytes)
     tp_comms = _tp_comms(p, act, micro_batch * seq * LOSS_BYTES_PER_TOKEN) if p.tp > 1 else {}
-    if p.tp_comm_overlap:  # the decoder blocks' linear layers overlap their collectives (userbuffers)
-        forward, backward = tp_comms[None]
-        tp_comms[None] = ([replace(c, overlapped=True) for c in forward], [replace(c, overlapped=True) for c in backward])
+    if p.tp_comm_overlap:  # the decoder blocks' linear layers overlap their collectives with their GEMMs
+        tp_comms[None] = _overlapped_tp(*tp_comms[None], tp_overlap)
     routed = tokens * top_k * hidden * act_itemsize
     ep_comms = [[Comm(ALLTOALL, "ep", routed, f"token {what} ({phase})") for what in ("dispatch", "combine")]
                 for phase in ("forward", "backward")] if p.ep > 1 else None
+    again: dict[tuple[Comm, ...], list[Comm]] = {}
     for unit in units:
         fwd, bwd = unit.comms[FORWARD], unit.comms[INPUT_GRAD]
         if cp_forward and unit.core_ns and unit.core_ns[FORWARD]:  # before the block's own collectives: mid-block
@@ -63,6 +67,24 @@ def add_model_parallel(units: list[Unit], p: Parallel, micro_batch: int, seq: in
         if ep_comms and unit.moe:
             fwd.extend(ep_comms[0])
             bwd.extend(ep_comms[1])
+        if unit.layer in recomputed and fwd:  # the same forward collectives, so the same Comms again
+            key = tuple(fwd)
+            bwd[:0] = again.setdefault(key, [replace(c, what=f"{c.what}, recomputed forward") for c in key])
+
+
+def _overlapped_tp(forward: list[Comm], backward: list[Comm], how: str) -> tuple[list[Comm], list[Comm]]:
+    """A decoder block's (forward, backward) sequence-parallel collectives as --tp-comm-overlap runs them.
+    Transformer Engine's userbuffers overlap all four with GEMMs (the backward's reduce-scatter with the weight-
+    gradient GEMM). torch's AsyncTP (torch/_inductor/fx_passes/micro_pipeline_tp.py) fuses an all-gather with
+    the matmuls reading its output, and a reduce-scatter with the one matmul producing its input: in forward
+    both (the block input's gather with q/k/v or gate/up, the output's reduce-scatter with o/down); in
+    backward the output gradient's gather with the o/down input-gradient matmul only (the weight gradient
+    reads it transposed, which the pass does not match), while the input gradient's reduce-scatter reads the
+    sum of the q/k/v (gate/up) input-gradient matmuls, no single matmul, and stays a blocking NCCL call."""
+    if how == "userbuffers":
+        return [replace(c, overlapped=True) for c in forward], [replace(c, overlapped=True) for c in backward]
+    gather, scatter = backward
+    return [replace(c, overlapped=True) for c in forward], [replace(gather, overlapped=True, beside="dgrad"), scatter]
 
 
 def _tp_comms(p: Parallel, act: int, loss: int) -> dict[str | None, tuple[list[Comm], list[Comm]]]:

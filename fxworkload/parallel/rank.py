@@ -13,11 +13,13 @@ from dataclasses import dataclass, replace
 from ..capture.trace import FORWARD, INPUT_GRAD, WEIGHT_GRAD
 from ..dtypes import DTYPES
 from ..memo import Memo
+from ..workload.stacks import STACKS
 from ..workload.table import Workload
 from .collectives import add_model_parallel, data_parallel_units, stage_units
 from .context_parallel import kv_bytes
 from .facts import ModelFacts
 from .layout import Parallel, virtual_stage_layers
+from .recompute import recomputed_layers
 from .units import EMBEDDING, HEAD, Unit, split
 
 
@@ -58,7 +60,8 @@ def device_chunks(facts: ModelFacts, workload: Workload, p: Parallel, device: in
 # A layout search asks for the same device's chunks under every ZeRO stage, data-parallel degree and
 # micro-batch count (and again for its memory): they are made once; the chunks returned are not to be changed.
 _CHUNKS = Memo(4096)
-MODEL_PARALLEL_FIELDS = ("pp", "vpp", "pp_layers", "tp", "sp", "cp", "cp_comm", "ep", "vocab_multiple")
+MODEL_PARALLEL_FIELDS = ("pp", "vpp", "pp_layers", "tp", "sp", "cp", "cp_comm", "ep", "vocab_multiple", "tp_comm_overlap",
+                         "recompute", "recompute_layers")
 
 
 def model_parallel_chunks(facts: ModelFacts, workload: Workload, p: Parallel, device: int, micro_batch: int,
@@ -78,8 +81,10 @@ def _model_parallel_chunks(facts: ModelFacts, workload: Workload, p: Parallel, d
     if device == p.pp - 1 and p.pp > 1 and facts.tied_embedding is not None:
         keep_tied_copy(facts.tied_embedding, units, mine)
     act_itemsize = DTYPES[dtype].itemsize
+    again = frozenset(recomputed_layers(p, facts.layers)) if p.recompute == "full" else frozenset()
     add_model_parallel(mine, p, micro_batch, seq, facts.hidden, act_itemsize, facts.top_k,
-                       kv_bytes(micro_batch, seq, facts.kv_heads or facts.heads, facts.head_dim, p.tp, act_itemsize))
+                       kv_bytes(micro_batch, seq, facts.kv_heads or facts.heads, facts.head_dim, p.tp, act_itemsize),
+                       again, STACKS[workload.stack].tp_overlap)
     return chunks
 
 

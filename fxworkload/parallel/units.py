@@ -26,6 +26,9 @@ class Comm:
     bytes: int  # the collective's whole buffer, as SimAI and NCCL count it
     what: str  # why it happens, for timelines
     overlapped: bool = False  # runs beside the unit's attention core (CP's ring): only what outlasts it is exposed
+    # what an overlapped tensor-parallel collective runs beside: "" every GEMM of its pass (userbuffers); "dgrad"
+    # only the input-gradient GEMM of the unit's row-parallel linear (AsyncTP's fused all-gather + matmul in backward)
+    beside: str = ""
     # ZeRO 3 as FSDP2 runs it: the bytes its copy kernel moves on the compute stream with this collective (the
     # gathered parameters' copy-out after a gather, the gradients' copy-in before a reduce-scatter), and
     # whether that copy converts dtypes (cluster/zero3.py)

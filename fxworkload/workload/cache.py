@@ -19,6 +19,7 @@ from pathlib import Path
 from .. import store
 from ..fingerprint import versions
 from ..records import RecordError, decode, encode
+from .stacks import STACKS
 from .table import GradRow, NodeRow, OpCost, Workload
 
 KIND = "captured-step"
@@ -99,7 +100,7 @@ def to_data(entry: CachedStep) -> dict:
 
 
 _WORKLOAD_FIELDS = ("parameter_count", "gradient_bytes", "step_peak_bytes", "activation_peak_bytes",
-                    "error_intervals", "fp8_weight_elements", "fp8_modules")
+                    "error_intervals", "fp8_weight_elements", "fp8_modules", "stack")
 
 
 def from_data(data, facts_type: type) -> CachedStep:
@@ -114,8 +115,10 @@ def from_data(data, facts_type: type) -> CachedStep:
         _fail("workload", "its fields differ from a table's")
     hints = {"parameter_count": int, "gradient_bytes": int, "step_peak_bytes": int, "activation_peak_bytes": int,
              "error_intervals": dict[str, tuple[float, float]], "fp8_weight_elements": int,
-             "fp8_modules": frozenset[str]}
+             "fp8_modules": frozenset[str], "stack": str}
     workload = Workload(rows=rows, **{name: decode(fields[name], hints[name], f"workload.{name}") for name in hints})
+    if workload.stack not in STACKS:
+        _fail("workload.stack", "not one of the execution stacks")
     seq = decode(data["seq"], int, "seq")
     if seq < 1:
         _fail("seq", "not a positive length")

@@ -63,7 +63,8 @@ def fast_workload(spec, stack: str, batch: int, seq: int, dtype: torch.dtype,
     last = _renumbered(blocks[-1], stack, len(blocks) - 1, layers - 1)
     return Workload.of_rows(prefix + blocks[0] + middle + last + suffix, grad_dtype,
                             step_peak_bytes=_extrapolated(shorts, "step_peak_bytes", layers),
-                            activation_peak_bytes=_extrapolated(shorts, "activation_peak_bytes", layers))
+                            activation_peak_bytes=_extrapolated(shorts, "activation_peak_bytes", layers),
+                            stack=execution_stack)
 
 
 def _extrapolated(shorts: list[Workload], figure: str, layers: int) -> int:

@@ -32,6 +32,10 @@ class Stack:
     keeps: str  # "autograd": what eager autograd keeps; "fused": fused kernels' inputs; "partitioner": AOTAutograd's choice
     source: str
     pads_gemms: bool = False  # unaligned GEMMs padded to aligned shapes (inductor's pad_mm; cost/gpu.py padded_gemm_ns)
+    # how --tp-comm-overlap overlaps tensor-parallel collectives with GEMMs (parallel/collectives.py):
+    # "userbuffers": Transformer Engine's, every forward and backward collective of a block;
+    # "symmetric-memory": torch's AsyncTP (inductor's micro-pipeline TP pass), only the patterns it fuses
+    tp_overlap: str = "userbuffers"
 
 
 STACKS = {
@@ -39,7 +43,8 @@ STACKS = {
     "fused": Stack("fused", True, "fused", "Megatron-LM / Transformer Engine fused kernels (megatron/core/fusions)"),
     "compiled": Stack("compiled", True, "partitioner",
                       "torch.compile: AOTAutograd min_cut_rematerialization_partition + inductor fusion and "
-                      "GEMM padding (torch/_inductor/fx_passes/pad_mm.py)", pads_gemms=True),
+                      "GEMM padding (torch/_inductor/fx_passes/pad_mm.py)", pads_gemms=True,
+                      tp_overlap="symmetric-memory"),
 }
 
 

@@ -118,14 +118,15 @@ class Workload:
     # --fp8: the weights' FP8 copies are made once a step and kept (Transformer Engine); False: cast in every
     # forward and dropped (torchao's dynamic scaling)
     fp8_weights_kept: bool = True
+    stack: str = "eager"  # the execution stack the rows are costed as (workload/stacks.py)
 
     @classmethod
     def of_rows(cls, rows: list, grad_dtype: torch.dtype, step_peak_bytes: int = 0,
-                activation_peak_bytes: int = 0) -> Workload:
+                activation_peak_bytes: int = 0, stack: str = "eager") -> Workload:
         """The table of these rows; its parameters are those its gradient rows hold."""
         elements = sum(r.elements for r in rows if isinstance(r, GradRow))
         return cls(rows=rows, parameter_count=elements, gradient_bytes=elements * grad_dtype.itemsize,
-                   step_peak_bytes=step_peak_bytes, activation_peak_bytes=activation_peak_bytes)
+                   step_peak_bytes=step_peak_bytes, activation_peak_bytes=activation_peak_bytes, stack=stack)
 
     @functools.cached_property
     def saved_bytes(self) -> int:
@@ -220,7 +221,7 @@ def build(capture: Capture, model: torch.nn.Module, device: DeviceProfile | None
     for leftover in grad_rows.values():  # parameters no forward op of their module reads
         table.extend(leftover)
     return Workload.of_rows(table, grad_dtype, step_peak_bytes=memory.step_peak_bytes,
-                            activation_peak_bytes=memory.activation_peak_bytes)
+                            activation_peak_bytes=memory.activation_peak_bytes, stack=stack)
 
 
 def _fused_costs(costs: dict, found: Regions, device: DeviceProfile | None) -> dict:

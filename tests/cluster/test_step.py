@@ -209,6 +209,71 @@ def test_tp_comm_overlap_exposes_what_outlasts_the_gemms_and_one_chunk(tiny_dirs
     assert overlapped.cluster.step_ns < plain.cluster.step_ns
 
 
+def test_asynctp_overlaps_the_patterns_inductor_fuses_and_no_others(tiny_dirs):
+    """--stack compiled --tp-comm-overlap is torch's AsyncTP: inductor's micro-pipeline TP pass
+    (torch/_inductor/fx_passes/micro_pipeline_tp.py) fuses an all-gather with the matmuls reading it and a
+    reduce-scatter with the one matmul making its input. As a two-stream timeline by hand: forward, both
+    collectives beside the block's GEMMs (what outlasts them, at least one chunk); backward, the output
+    gradient's gather beside the o/down input-gradient GEMM alone, and the input gradient's reduce-scatter,
+    whose input is a sum of q/k/v (gate/up) GEMMs, blocking whole."""
+    from fxworkload.capture.trace import FORWARD, INPUT_GRAD
+    from fxworkload.cluster.network import comm_ns
+    from fxworkload.cluster.step import exposed_comms_ns
+
+    result = extract(str(tiny_dirs["llama"]), batch=2, seq=64, device="h100-sxm", stack="compiled",
+                     parallel=Parallel(tp=2, sp=True, micro_batches=2, tp_comm_overlap=True))
+    p, device = result.rank.parallel, result.device
+    blocks = [u for u in result.rank.units if u.layer is not None]
+    assert {u.block for u in blocks} == {"attention", "mlp"}
+    for unit in blocks:
+        forward = [c for c in unit.comms[FORWARD] if c.group == "tp"]
+        assert [c.type for c in forward] == ["ALLGATHER", "REDUCESCATTER"] and all(c.overlapped for c in forward)
+        total = sum(comm_ns(c, p, device) for c in forward)
+        gemm = sum(op.estimated_ns for op in unit.ops(FORWARD) if op.kind == "matmul")
+        assert exposed_comms_ns(unit, FORWARD, p, device)["tp"] == pytest.approx(max(total / 2, total - gemm))
+        gather, scatter = [c for c in unit.comms[INPUT_GRAD] if c.group == "tp"]
+        assert (gather.type, gather.overlapped, scatter.type, scatter.overlapped) == (
+            "ALLGATHER", True, "REDUCESCATTER", False)
+        linear = [r for r in unit.rows if r.forward.kind == "matmul"][-1]  # o_proj or down_proj, by hand
+        assert linear.module.endswith(("o_proj", "down_proj"))
+        dgrad = [op for op in linear.input_grad if op.kind == "matmul"][-1].estimated_ns
+        g, r = comm_ns(gather, p, device), comm_ns(scatter, p, device)
+        assert exposed_comms_ns(unit, INPUT_GRAD, p, device)["tp"] == pytest.approx(max(g / 2, g - dgrad) + r)
+    userbuffers = extract(str(tiny_dirs["llama"]), batch=2, seq=64, device="h100-sxm", stack="fused",
+                          parallel=Parallel(tp=2, sp=True, micro_batches=2, tp_comm_overlap=True))
+    assert all(c.overlapped for u in userbuffers.rank.units if u.layer is not None
+               for c in u.comms[INPUT_GRAD] if c.group == "tp")
+
+
+def test_full_recomputation_runs_the_blocks_collectives_again_before_their_backward(tiny_dirs):
+    """Megatron-Core's CheckpointFunction and torch.utils.checkpoint re-run a recomputed layer's whole forward,
+    its tensor-parallel collectives included, before the layer's backward; selective recomputation re-runs only
+    the attention core, no collective. By hand: each recomputed block's backward starts with its forward's
+    collectives, and the step's tensor-parallel time grows by exactly their time, once per micro-batch."""
+    from fxworkload.capture.trace import FORWARD, INPUT_GRAD
+    from fxworkload.cluster.network import comm_ns
+
+    def run(recompute):
+        return extract(str(tiny_dirs["llama"]), batch=2, seq=64, device="h100-sxm",
+                       parallel=Parallel(tp=2, sp=True, micro_batches=2, recompute=recompute))
+
+    plain, selective, full = run("none"), run("selective"), run("full")
+    p, device = full.rank.parallel, full.device
+    again_ns = 0.0
+    for unit, before in zip(full.rank.units, plain.rank.units):
+        forward, backward = unit.comms[FORWARD], unit.comms[INPUT_GRAD]
+        if unit.layer is None:
+            assert backward == before.comms[INPUT_GRAD]
+            continue
+        assert [(c.type, c.bytes) for c in backward[:len(forward)]] == [(c.type, c.bytes) for c in forward]
+        assert all(c.what.endswith("recomputed forward") for c in backward[:len(forward)])
+        assert backward[len(forward):] == before.comms[INPUT_GRAD]
+        again_ns += sum(comm_ns(c, p, device) for c in forward)
+    assert again_ns > 0
+    assert [u.comms for u in selective.rank.units] == [u.comms for u in plain.rank.units]
+    assert full.cluster.exposed_ns["tp"] == pytest.approx(plain.cluster.exposed_ns["tp"] + 2 * again_ns)
+
+
 def test_tp_comm_overlap_needs_tp_and_sp(tiny_dirs):
     from fxworkload.errors import UserError
 
