@@ -56,16 +56,38 @@ class Shape:
     cp: int = 1  # the rank holds seq / cp tokens
 
 
-def candidate_layouts(gpus: int, global_batch: int, facts, gpus_per_node: int,
-                      seq: int | None = None, cps: tuple[int, ...] = (1,),
-                      overlap_param_gather: bool = False, tp_comm_overlap: bool = False,
-                      offload: bool = False) -> tuple[dict, dict[str, int]]:
-    """Shape -> its layouts (Parallel), and how many combinations each rule turned away. With ``seq``,
-    a tp whose sequence parallelism cannot split the sequence is turned away too. ``overlap_param_gather``:
-    every ZeRO 1/2 layout overlaps its parameter gathers with the next forward (Megatron-LM's flag);
-    ``tp_comm_overlap``: every layout with tp > 1 overlaps its blocks' TP collectives with their GEMMs;
-    ``offload``: every ZeRO 1-3 layout is also tried with its optimizer stepped on the host (cluster/offload.py)."""
+@dataclass(frozen=True)
+class Run:
+    """What is trained and how, the same for every layout searched (Calculon's application and execution):
+    the model on ``gpus`` GPUs, the global batch (sequences) and sequence, dtype, stack, FP8, and the options
+    every layout runs with or is also tried with."""
+    model: str
+    gpus: int
+    global_batch: int
+    seq: int | None = None  # None: no layout is turned away for how it splits the sequence
+    dtype: str = "bf16"
+    stack: str = "eager"
+    cps: tuple[int, ...] = (1,)  # the context-parallel degrees searched
+    fp8: bool = False
+    overlap_param_gather: bool = False  # every ZeRO 1/2 layout overlaps its parameter gathers (Megatron-LM's flag)
+    tp_comm_overlap: bool = False  # every layout with tp > 1 overlaps its blocks' TP collectives with their GEMMs
+    offload: bool = False  # every ZeRO 1-3 layout is also tried with its optimizer on the host (cluster/offload.py)
+
+
+@dataclass(frozen=True)
+class System:
+    """Where it runs: each device profile asked for (its memory and its network), and the user's
+    ``--topology`` over each profile's own network (cost/topology.py)."""
+    profiles: tuple
+    topology: str | None = None
+
+
+def candidate_layouts(run: Run, facts, gpus_per_node: int) -> tuple[dict, dict[str, int]]:
+    """Shape -> its layouts (Parallel), and how many combinations each rule turned away. With the run's
+    ``seq``, a tp whose sequence parallelism cannot split the sequence is turned away too."""
     from .parallel.layout import Parallel
+
+    gpus, global_batch, seq = run.gpus, run.global_batch, run.seq
 
     dropped = {"tp does not divide the heads or exceeds a node": 0,
                "sequence parallelism: tp does not divide the sequence": 0,
@@ -75,7 +97,7 @@ def candidate_layouts(gpus: int, global_batch: int, facts, gpus_per_node: int,
     groups: dict[Shape, list] = {}
     experts = facts.experts or 1
     stages = [pp for pp in _divisors(gpus) if pp <= facts.layers]
-    for tp, cp, pp in itertools.product(_divisors(gpus), cps, stages):
+    for tp, cp, pp in itertools.product(_divisors(gpus), run.cps, stages):
         if gpus % (tp * cp * pp) or (cp > 1 and facts.experts):
             continue
         if tp > gpus_per_node or facts.heads % tp or (facts.kv_heads and facts.kv_heads % tp):
@@ -105,12 +127,12 @@ def candidate_layouts(gpus: int, global_batch: int, facts, gpus_per_node: int,
                 if vpp > 1 and (pp == 1 or not fits_chunks or m % pp):
                     dropped["virtual stages do not divide the layers or micro-batches"] += 1
                     continue
-                for share in (0.0, 1.0) if offload and zero else (0.0,):
+                for share in (0.0, 1.0) if run.offload and zero else (0.0,):
                     groups.setdefault(Shape(tp, ep, b, cp), []).append(Parallel(
                         dp=dp, tp=tp, pp=pp, ep=ep, cp=cp, sp=tp > 1, micro_batches=m, zero=zero, recompute=recompute,
                         vpp=vpp, vocab_multiple=vocab_multiple, pp_layers=pp_layers,
-                        overlap_param_gather=overlap_param_gather and zero in (1, 2),
-                        tp_comm_overlap=tp_comm_overlap and tp > 1, optimizer_offload=share))
+                        overlap_param_gather=run.overlap_param_gather and zero in (1, 2),
+                        tp_comm_overlap=run.tp_comm_overlap and tp > 1, optimizer_offload=share))
     return groups, dropped
 
 
@@ -258,12 +280,13 @@ def plan(model: str, gpus: int, global_batch: int, seq: int, device: str = "h100
 
     check_plan_counts(gpus, global_batch)
     check_stack(stack)
-    cps = check_cp_degrees(cp)
-    profiles = [_plan_device(name, fp8, dtype, topology) for name in _device_names(device)]
+    run = Run(model, gpus, global_batch, seq, dtype, stack, check_cp_degrees(cp), fp8, overlap_param_gather,
+              tp_comm_overlap, offload)
+    system = System(tuple(_plan_device(name, fp8, dtype, topology) for name in _device_names(device)), topology)
     if offload:
         from .cluster.offload import check_host_tier
 
-        for profile in profiles:
+        for profile in system.profiles:
             check_host_tier(profile)
     if ray is not None:
         _probe(ray)  # a wrong address is said now, even when every shape is read from the cache
@@ -273,15 +296,15 @@ def plan(model: str, gpus: int, global_batch: int, seq: int, device: str = "h100
         # reads the model's facts (this process never imports torch, which the workers have anyway).
         early = (stack_of_resources.enter_context(_pool(workers or os.cpu_count() or 1))
                  if ray is None and not _facts_cached(model, dtype) else None)
-        result = _plan(model, gpus, global_batch, seq, dtype, workers, ray, progress, stack, cps, fp8, profiles, early,
-                       topology, (overlap_param_gather, tp_comm_overlap, offload))
+        result = _plan(run, system, workers, ray, progress, early)
     return result | ({"topology": topology} if topology else {}) | (
         {"overlap_param_gather": True} if overlap_param_gather else {}) | (
         {"tp_comm_overlap": True} if tp_comm_overlap else {}) | ({"optimizer_offload": True} if offload else {})
 
 
-def _plan(model, gpus, global_batch, seq, dtype, workers, ray, progress, stack, cps, fp8, profiles, early,
-          topology=None, overlaps=(False, False, False)) -> dict:
+def _plan(run: Run, system: System, workers, ray, progress, early) -> dict:
+    model, gpus, global_batch, seq, dtype, profiles = (run.model, run.gpus, run.global_batch, run.seq, run.dtype,
+                                                       system.profiles)
     if early is not None:
         facts = early.apply(_facts, (model, dtype))
     else:
@@ -292,8 +315,7 @@ def _plan(model, gpus, global_batch, seq, dtype, workers, ray, progress, stack, 
     check_positions(facts, seq)  # every CP degree's ranks together hold the whole sequence
     groups, dropped = {}, {}
     for profile in profiles:
-        found, turned = candidate_layouts(gpus, global_batch, facts, profile.gpus_per_node, seq, cps,
-                                          *overlaps)
+        found, turned = candidate_layouts(run, facts, profile.gpus_per_node)
         groups.update({(profile.name, shape): layouts for shape, layouts in found.items()})
         dropped = {why: dropped.get(why, 0) + count for why, count in turned.items()}
     if not groups:
@@ -301,18 +323,18 @@ def _plan(model, gpus, global_batch, seq, dtype, workers, ray, progress, stack, 
                         f"parallelism must divide its {facts.heads} heads within a node of {profiles[0].gpus_per_node}, "
                         f"pipeline stages at most its {facts.layers} layers, and data parallelism x micro-batch the "
                         "global batch; choose a GPU count and batch those divide")
-    settings = {"seq": seq, "dtype": dtype, "stack": stack, "fp8": fp8, "topology": topology,
+    settings = {"seq": seq, "dtype": dtype, "stack": run.stack, "fp8": run.fp8, "topology": system.topology,
                 "devices": {p.name: asdict(p) for p in profiles}, "config": _raw_config(model)}
     rows = _run(model, groups, settings, workers, ray, progress, early)
     fitting = sorted((r for r in rows if r["fits"]), key=rank_key)
     for row in fitting:  # within the best's error interval: the estimates cannot tell them apart
         row["overlaps_best"] = row["step_low_ms"] <= fitting[0]["step_high_ms"]
     dropped["does not fit in memory"] = sum(1 for r in rows if not r["fits"])
-    return {"model": facts.name, "gpus": gpus, "global_batch": global_batch, "seq": seq, "dtype": dtype, "fp8": fp8,
-            "stack": stack, "device": ",".join(p.name for p in profiles), "cp": list(cps), "evaluated": len(rows),
+    return {"model": facts.name, "gpus": gpus, "global_batch": global_batch, "seq": seq, "dtype": dtype, "fp8": run.fp8,
+            "stack": run.stack, "device": ",".join(p.name for p in profiles), "cp": list(run.cps), "evaluated": len(rows),
             "shapes": len(groups), "dropped": dropped, "ranked": fitting,
             "why": why_best(fitting) + network_lines(fitting[:1], profiles) + fsdp_lines(fitting),
-            **({"offload": offload_lines(fitting, rows)} if overlaps[2] else {})}
+            **({"offload": offload_lines(fitting, rows)} if run.offload else {})}
 
 
 def _order(row: dict) -> tuple:

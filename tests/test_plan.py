@@ -14,7 +14,7 @@ import pytest
 
 from fxworkload.parallel.layout import Parallel
 from fxworkload.pipeline import extract
-from fxworkload.plan import Shape, candidate_layouts, evaluate_shape, plan
+from fxworkload.plan import Run, Shape, candidate_layouts, evaluate_shape, plan
 
 from .conftest import tiny_config
 from .test_cli import fxworkload, in_process
@@ -31,7 +31,7 @@ def test_every_layout_divides_the_gpus_and_the_batch(four_layers):
     from fxworkload.plan import _facts
 
     facts = _facts(four_layers, "bf16")
-    groups, dropped = candidate_layouts(8, 16, facts, 8)
+    groups, dropped = candidate_layouts(Run(four_layers, gpus=8, global_batch=16), facts, 8)
     layouts = [p for group in groups.values() for p in group]
     assert layouts and all(p.world == 8 for p in layouts)
     for shape, group in groups.items():
@@ -239,7 +239,8 @@ def test_a_global_batch_needing_more_micro_batches_than_the_limit_drops_those_la
     from fxworkload.limits import MAX_MICRO_BATCHES
     from fxworkload.plan import _facts
 
-    groups, dropped = candidate_layouts(2, 2 * MAX_MICRO_BATCHES * 2, _facts(four_layers, "bf16"), 8)
+    groups, dropped = candidate_layouts(Run(four_layers, gpus=2, global_batch=2 * MAX_MICRO_BATCHES * 2),
+                                        _facts(four_layers, "bf16"), 8)
     layouts = [p for group in groups.values() for p in group]
     assert layouts and max(p.micro_batches for p in layouts) <= MAX_MICRO_BATCHES
     assert dropped[f"more than {MAX_MICRO_BATCHES:,} micro-batches"] > 0
