@@ -416,8 +416,7 @@ def exposed_comms_ns(unit: Unit, phase: str, p: Parallel, device: DeviceProfile)
 def _row_parallel_dgrad_ns(unit: Unit) -> float:
     """The input-gradient GEMM of the unit's last linear layer (its row-parallel one: o_proj, down_proj): the
     last GEMM of that row's backward (a recomputed forward's GEMM, where there is one, comes first)."""
-    linear = next((row for row in reversed(unit.rows) if getattr(row, "forward", None) is not None
-                   and row.forward.kind == "matmul"), None)
+    linear = next((row for row in reversed(unit.rows) if row.forward.kind == "matmul"), None)
     gemms = [op for op in (linear.input_grad if linear else []) if op.kind == "matmul"]
     return gemms[-1].estimated_ns if gemms else 0.0
 
