@@ -105,6 +105,13 @@ TORCHTITAN = {
     "torchtitan 70B FSDP+TP Float8 AsyncTP": ("llama-3-70b", 32, 8, 16, 8192, "full", "compiled", "torchao", True, 876,
                                               67.6),
 }
+# An optimizer-offload ablation: NVIDIA-NeMo/RL pull request 3628 (Megatron-Core's HybridDeviceOptimizer, one
+# H100, Qwen3-0.6B; mean step of steps 11-100): offload fraction -> published step s (0: disabled; both
+# offloaded rows with overlap_cpu_optimizer_d2h_h2d on, as Megatron-Core's default and ours)
+OFFLOAD_PAIR = {0.0: 0.752, 0.5: 1.216, 1.0: 1.678}
+QWEN3_06B = dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                 num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True,
+                 max_position_embeddings=40960)
 # name: (tp, cp, pp, dp, seq, sequences per DP rank, published TFLOP/s per GPU)
 LLAMA = {"405B 8192 GPUs": (8, 1, 16, 64, 8192, 32, 430), "405B 16384 GPUs": (8, 1, 16, 128, 8192, 16, 400),
          "405B 131072 tokens": (8, 16, 16, 8, 131072, 16, 380)}
@@ -207,6 +214,34 @@ def torchtitan_row(name: str, root: Path) -> list:
             f"{100 * (ours / published - 1):+.2f}%"]
 
 
+def offload_rows(root: Path) -> list:
+    """What offloading a share of the optimizer adds to a step, ours against the pull request's. The run's
+    batch and sequence are not given, and the added time does not depend on them (the optimizer follows
+    backward), so ours is the step with the share offloaded minus the step without, set against the
+    published step without it: the change in the step, in points, each side."""
+    from transformers import Qwen3Config
+
+    from fxworkload.pipeline import extract
+
+    folder = root / "qwen3-0.6b"
+    if not folder.exists():
+        Qwen3Config(**QWEN3_06B).save_pretrained(folder)
+
+    def step_s(share: float) -> float:
+        run = extract(str(folder), batch=1, seq=4096, dtype="bf16", grad_dtype="fp32", device="h100-sxm",
+                      parallel=Parallel(zero=1, optimizer_offload=share))
+        return run.cluster.step_ns / 1e9
+
+    base, published_base = step_s(0.0), OFFLOAD_PAIR[0.0]
+    rows = []
+    for share in (0.5, 1.0):
+        added, published_added = step_s(share) - base, OFFLOAD_PAIR[share] - published_base
+        rows.append([f"Qwen3-0.6B, {share:.0%} of the optimizer on the host", f"+{published_added:.3f} s",
+                     f"+{added:.3f} s", f"{100 * (added / published_added - 1):+.1f}%",
+                     f"{100 * published_added / published_base:+.1f} vs {100 * added / published_base:+.1f}"])
+    return rows
+
+
 def _llama_405b(root: Path) -> Path:
     from transformers import LlamaConfig
 
@@ -288,6 +323,11 @@ def main() -> None:
         print("\nPyTorch-native runs (torchtitan; held out, issue 38's open gap):")
         print(tabulate(native, headers=["run", "layout", "gpus", "as run; peak memory ours vs published (reserved)",
                                         "published", "ours", "ours_vs_published"], tablefmt="github"))
+    if wanted is None or "offload" in wanted:
+        print("\nOptimizer offload on and off (NVIDIA-NeMo/RL#3628, one H100, Megatron-Core's HybridDeviceOptimizer):")
+        print(tabulate(offload_rows(root), headers=["run", "published: added to the step", "ours: added",
+                                                    "ours_vs_published", "step change, points: published vs ours"],
+                       tablefmt="github"))
     print(f"\n{time.perf_counter() - started:.0f} s")
 
 
