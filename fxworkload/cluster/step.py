@@ -389,7 +389,8 @@ def exposed_comms_ns(unit: Unit, phase: str, p: Parallel, device: DeviceProfile)
     and at least one of the tp chunks they are pipelined in (Transformer Engine's userbuffers split an
     all-gather + GEMM or GEMM + reduce-scatter into tp steps: the first chunk's transfer, or the last's,
     has no GEMM beside it). One beside the row-parallel linear's input-gradient GEMM only (AsyncTP's backward
-    gather) is set against that GEMM alone, which the others then do not count."""
+    gather) is set against that GEMM alone, which the others then do not count. A tensor-parallel collective's
+    own kernel on the compute stream (AsyncTP's sum of a reduce-scatter's partial products) is waited for whole."""
     out: dict[str, float] = {}
     overlapped: dict[str, float] = {}
     beside_dgrad_ns = 0.0
@@ -410,6 +411,9 @@ def exposed_comms_ns(unit: Unit, phase: str, p: Parallel, device: DeviceProfile)
             out[group] = out.get(group, 0.0) + max(ns - core, 0.0)
     if beside_dgrad_ns:
         out["tp"] = out.get("tp", 0.0) + max(beside_dgrad_ns / p.tp, beside_dgrad_ns - dgrad_ns)
+    summed = [c for c in unit.comms[phase] if c.group == "tp" and c.copy_bytes]  # AsyncTP's own reduction kernel
+    if summed:
+        out["tp"] = out.get("tp", 0.0) + copy_kernels_ns(summed, device)
     return out
 
 
@@ -514,14 +518,15 @@ def _zero3_groups_of(units: list[Unit], phase: str, p: Parallel, device: DeviceP
         gather = sum(comm_ns(c, p, device) for c in gathers) if gathered else 0.0
         scatter = 0.0 if phase == FORWARD else sum(comm_ns(c, p, device) for c in scatters)
         groups.append(Group(compute_ns=compute, gather_ns=gather, reduce_scatter_ns=scatter,
-                            copy_ns=fsdp2_copies_ns((gathers if gathered else []) + (scatters if phase != FORWARD else []),
+                            copy_ns=copy_kernels_ns((gathers if gathered else []) + (scatters if phase != FORWARD else []),
                                                     device)))
     return groups if phase == FORWARD else groups[::-1]
 
 
-def fsdp2_copies_ns(comms: list, device: DeviceProfile | None) -> float:
-    """FSDP2's copy kernels on the compute stream that go with ``comms`` (their ``copy_bytes``: zero3.py), each
-    one memory-bound kernel; 0 with no profile or one without the GPU model."""
+def copy_kernels_ns(comms: list, device: DeviceProfile | None) -> float:
+    """The memory-bound kernels on the compute stream that go with ``comms`` (their ``copy_bytes``): FSDP2's
+    copy-out and copy-in (zero3.py), AsyncTP's sum of a reduce-scatter's partial products (collectives.py);
+    0 with no profile or one without the GPU model."""
     if device is None or not device.sm_count:
         return 0.0
     facts, model = device.gpu_facts(), device.gpu_model()

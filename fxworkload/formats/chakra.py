@@ -272,9 +272,9 @@ def _unit_nodes(b: _Builder, pb, unit, forward: bool, mb: int, p, cluster, compl
 
 def _copy_node(b: _Builder, pb, name: str, comms, cluster) -> None:
     """FSDP2's copy kernel that goes with these collectives, on the compute chain (cluster/zero3.py)."""
-    from ..cluster.step import fsdp2_copies_ns
+    from ..cluster.step import copy_kernels_ns
 
-    duration = fsdp2_copies_ns(list(comms), cluster.profile)
+    duration = copy_kernels_ns(list(comms), cluster.profile)
     if duration:
         b.chain(name, pb.COMP_NODE, duration_ns=duration, num_ops=0, tensor_size=sum(c.copy_bytes for c in comms))
 

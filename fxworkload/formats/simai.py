@@ -129,13 +129,13 @@ def _fsdp2_copies(unit: Unit, device) -> dict[str, float]:
     """A ZeRO 3 row's FSDP2 copy kernels (cluster/zero3.py) as compute in the pass that runs them, as the cluster
     step does: a gather's copy-out in the pass it gathers for, a reduce-scatter's copy-in in backward (the row
     comes right after its unit's backward, which SimAI runs in reverse)."""
-    from ..cluster.step import fsdp2_copies_ns
+    from ..cluster.step import copy_kernels_ns
 
     forward, input_grad, weight_grad = PHASES
     out = dict.fromkeys(PHASES, 0.0)
     for comm in unit.comms[weight_grad] if unit.block == "dp" else ():
         phase = {"forward": forward, "backward": input_grad}.get(gathered_for(comm), weight_grad)
-        out[phase] += fsdp2_copies_ns([comm], device)
+        out[phase] += copy_kernels_ns([comm], device)
     return out
 
 

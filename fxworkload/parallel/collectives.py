@@ -50,7 +50,7 @@ def add_model_parallel(units: list[Unit], p: Parallel, micro_batch: int, seq: in
     cp_forward, cp_backward = cp_comms(p, rank_kv_bytes)
     tp_comms = _tp_comms(p, act, micro_batch * seq * LOSS_BYTES_PER_TOKEN) if p.tp > 1 else {}
     if p.tp_comm_overlap:  # the decoder blocks' linear layers overlap their collectives with their GEMMs
-        tp_comms[None] = _overlapped_tp(*tp_comms[None], tp_overlap)
+        tp_comms[None] = _overlapped_tp(*tp_comms[None], tp_overlap, p.tp)
     routed = tokens * top_k * hidden * act_itemsize
     ep_comms = [[Comm(ALLTOALL, "ep", routed, f"token {what} ({phase})") for what in ("dispatch", "combine")]
                 for phase in ("forward", "backward")] if p.ep > 1 else None
@@ -72,7 +72,7 @@ def add_model_parallel(units: list[Unit], p: Parallel, micro_batch: int, seq: in
             bwd[:0] = again.setdefault(key, [replace(c, what=f"{c.what}, recomputed forward") for c in key])
 
 
-def _overlapped_tp(forward: list[Comm], backward: list[Comm], how: str) -> tuple[list[Comm], list[Comm]]:
+def _overlapped_tp(forward: list[Comm], backward: list[Comm], how: str, tp: int) -> tuple[list[Comm], list[Comm]]:
     """A decoder block's (forward, backward) sequence-parallel collectives as --tp-comm-overlap runs them.
     Transformer Engine's userbuffers overlap all four with GEMMs (the backward's reduce-scatter with the weight-
     gradient GEMM). torch's AsyncTP (torch/_inductor/fx_passes/micro_pipeline_tp.py) fuses an all-gather with
@@ -80,11 +80,16 @@ def _overlapped_tp(forward: list[Comm], backward: list[Comm], how: str) -> tuple
     both (the block input's gather with q/k/v or gate/up, the output's reduce-scatter with o/down); in
     backward the output gradient's gather with the o/down input-gradient matmul only (the weight gradient
     reads it transposed, which the pass does not match), while the input gradient's reduce-scatter reads the
-    sum of the q/k/v (gate/up) input-gradient matmuls, no single matmul, and stays a blocking NCCL call."""
+    sum of the q/k/v (gate/up) input-gradient matmuls, no single matmul, and stays a blocking NCCL call. A fused
+    reduce-scatter's partial products are copied to their owners unreduced and summed by a kernel of its own on
+    the compute stream (_fused_matmul_reduce_scatter_impl: the tp partials, the whole buffer, read; 1/tp of it
+    written), where NCCL reduces inside its kernel."""
     if how == "userbuffers":
         return [replace(c, overlapped=True) for c in forward], [replace(c, overlapped=True) for c in backward]
     gather, scatter = backward
-    return [replace(c, overlapped=True) for c in forward], [replace(gather, overlapped=True, beside="dgrad"), scatter]
+    fused = [replace(c, overlapped=True, copy_bytes=c.bytes + c.bytes // tp if c.type == REDUCESCATTER else 0)
+             for c in forward]
+    return fused, [replace(gather, overlapped=True, beside="dgrad"), scatter]
 
 
 def _tp_comms(p: Parallel, act: int, loss: int) -> dict[str | None, tuple[list[Comm], list[Comm]]]:

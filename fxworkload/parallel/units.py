@@ -29,9 +29,10 @@ class Comm:
     # what an overlapped tensor-parallel collective runs beside: "" every GEMM of its pass (userbuffers); "dgrad"
     # only the input-gradient GEMM of the unit's row-parallel linear (AsyncTP's fused all-gather + matmul in backward)
     beside: str = ""
-    # ZeRO 3 as FSDP2 runs it: the bytes its copy kernel moves on the compute stream with this collective (the
-    # gathered parameters' copy-out after a gather, the gradients' copy-in before a reduce-scatter), and
-    # whether that copy converts dtypes (cluster/zero3.py)
+    # the bytes a memory-bound kernel of its own moves on the compute stream with this collective: ZeRO 3 as
+    # FSDP2 runs it (the gathered parameters' copy-out after a gather, the gradients' copy-in before a
+    # reduce-scatter: cluster/zero3.py), AsyncTP's sum of a reduce-scatter's partials (collectives.py); and
+    # whether that copy converts dtypes
     copy_bytes: int = 0
     copy_casts: bool = False
 

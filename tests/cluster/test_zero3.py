@@ -61,7 +61,7 @@ def test_fsdp2s_copies_move_what_its_source_says():
     bf16 reduced in fp32 over 4 ranks: after its gather of 2E bytes, split_with_sizes_copy reads and writes
     them (4E); before its reduce-scatter, chunk_cat reads E bf16 gradients and writes E fp32 (6E bytes, a
     casting kernel). Each is one memory-bound kernel of those bytes on the compute stream."""
-    from fxworkload.cluster.step import fsdp2_copies_ns
+    from fxworkload.cluster.step import copy_kernels_ns
     from fxworkload.cost.devices import load
     from fxworkload.cost.gpu import memory_ns
     from fxworkload.parallel.collectives import fsdp_comms
@@ -76,9 +76,9 @@ def test_fsdp2s_copies_move_what_its_source_says():
     assert (scatter.copy_bytes, scatter.copy_casts) == (6 * elements, True)
     device = load("h100-sxm")
     facts, model = device.gpu_facts(), device.gpu_model()
-    assert fsdp2_copies_ns([gather, scatter], device) == pytest.approx(
+    assert copy_kernels_ns([gather, scatter], device) == pytest.approx(
         memory_ns(4 * elements, facts, model) + memory_ns(6 * elements, facts, model, casts=True))
-    assert fsdp2_copies_ns([gather], None) == 0.0
+    assert copy_kernels_ns([gather], None) == 0.0
 
 
 def test_a_units_copies_run_on_the_compute_stream_after_its_gather():
