@@ -394,6 +394,7 @@ def exposed_comms_ns(unit: Unit, phase: str, p: Parallel, device: DeviceProfile)
     out: dict[str, float] = {}
     overlapped: dict[str, float] = {}
     beside_dgrad_ns = 0.0
+    own_kernels = [c for c in unit.comms[phase] if c.group == "tp" and c.copy_bytes]  # AsyncTP's reduction kernel
     for c in unit.comms[phase]:
         if c.beside == "dgrad":
             beside_dgrad_ns += comm_ns(c, p, device)
@@ -411,9 +412,8 @@ def exposed_comms_ns(unit: Unit, phase: str, p: Parallel, device: DeviceProfile)
             out[group] = out.get(group, 0.0) + max(ns - core, 0.0)
     if beside_dgrad_ns:
         out["tp"] = out.get("tp", 0.0) + max(beside_dgrad_ns / p.tp, beside_dgrad_ns - dgrad_ns)
-    summed = [c for c in unit.comms[phase] if c.group == "tp" and c.copy_bytes]  # AsyncTP's own reduction kernel
-    if summed:
-        out["tp"] = out.get("tp", 0.0) + copy_kernels_ns(summed, device)
+    if own_kernels:
+        out["tp"] = out.get("tp", 0.0) + copy_kernels_ns(own_kernels, device)
     return out
 
 
