@@ -203,7 +203,7 @@ def torchtitan_row(name: str, root: Path) -> list:
     config, dp, tp, batch, seq, recompute, stack, recipe, async_tp, published, published_gib = TORCHTITAN[name]
     model = config if config != "405b" else str(_llama_405b(root))
     parallel = Parallel(dp=dp, tp=tp, sp=tp > 1, zero=3, recompute=recompute, tp_comm_overlap=async_tp)
-    run = extract(model, batch=batch, seq=seq, dtype="bf16", grad_dtype="fp32", device="h100-sxm", stack=stack,
+    run = extract(model, batch=batch, seq=seq, dtype="bf16", grad_dtype="fp32", device="h100-sxm-96gb", stack=stack,
                   fp8=recipe is not None, fp8_recipe=recipe or "te", parallel=parallel)
     ours = run.cluster.tokens_per_s_per_gpu
     memory = run.memory.total_peak_bytes / 2 ** 30

@@ -61,6 +61,10 @@ class DeviceProfile:
     gpu_model_parameters: dict[str, float] = field(default_factory=dict)
     power_limit_w: float = 0.0  # the board's power limit (TDP), W; 0 = not given
     process_nm: float = 0.0  # the GPU die's process node, nm (TSMC 4N/4NP count as 5); 0 = not given
+    # A board run below its nominal power limit (nvidia-smi -pl, or a platform's default), W; 0 = nominal.
+    # Tensor-core work slows by gpu.capped_clock_fraction, which needs the idle power beside it.
+    power_cap_w: float = 0.0
+    idle_power_w: float = 0.0  # what the board draws idle, W; 0 = not given (the cap's law then takes 0)
     # The host memory tier, one GPU's share (offload, cluster/offload.py); 0 = not given:
     host_link_bytes_per_s: float = 0.0  # the GPU's link to host memory, one direction (PCIe, NVLink-C2C)
     host_memory_bytes_per_s: float = 0.0  # its share of the host's DRAM bandwidth
@@ -84,6 +88,7 @@ class DeviceProfile:
         return GpuFacts(sm_count=self.sm_count, tensor_flops_per_s=self.matmul_flops_per_s,
                         memory_bytes_per_s=self.memory_bytes_per_s, l2_bytes=self.l2_bytes,
                         power_limit_w=self.power_limit_w, process_nm=self.process_nm,
+                        power_cap_w=self.power_cap_w, idle_power_w=self.idle_power_w,
                         threads_per_sm=RESIDENT_THREADS.get(self.arch, SM_THREADS))
 
     def gpu_model(self) -> GpuModel:
@@ -210,7 +215,7 @@ def matching_gpu(device_name: str) -> str | None:
     for path in sorted(DATA_DIR.glob("*.json")):
         profile = read(path)
         name = profile.name
-        if not profile.sm_count:
+        if not profile.sm_count or profile.power_cap_w:  # a board's cap is not in the name torch gives it
             continue
         tokens = _gpu_tokens(profile.description)
         forms = {"PCIE", "NVL"}
@@ -265,11 +270,14 @@ def _bad_figure(profile: DeviceProfile) -> str | None:
         if not number(value) or value <= 0:
             return f"{name} = {value!r} is not a positive finite number"
     for name in ("intra_node_bytes_per_s", "inter_node_bytes_per_s", "kernel_launch_ns", "sm_count", "l2_bytes",
-                 "memory_capacity_bytes", "power_limit_w", "process_nm", "host_link_bytes_per_s",
-                 "host_memory_bytes_per_s", "host_memory_capacity_bytes"):
+                 "memory_capacity_bytes", "power_limit_w", "process_nm", "power_cap_w", "idle_power_w",
+                 "host_link_bytes_per_s", "host_memory_bytes_per_s", "host_memory_capacity_bytes"):
         value = getattr(profile, name)
         if not number(value) or value < 0:
             return f"{name} = {value!r} must be a finite number, 0 or more"
+    if profile.power_cap_w and not profile.idle_power_w < profile.power_cap_w <= profile.power_limit_w:
+        return (f"power_cap_w = {profile.power_cap_w!r} must lie above idle_power_w ({profile.idle_power_w!r}) and "
+                f"at most power_limit_w ({profile.power_limit_w!r}), the nominal limit it caps")
     for name in ("compute_efficiency", "memory_efficiency"):
         value = getattr(profile, name)
         if not number(value) or not 0 < value <= 1:

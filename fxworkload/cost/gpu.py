@@ -16,6 +16,9 @@ H100 and are shipped with their source, or fitted by ``fxworkload calibrate --on
   its FP32 peak cannot hold its boost clock: the share it holds is the power limit over the power the
   peak would draw, at a fitted energy per FLOP per nanometre of process node (fitted across GPUs, see
   bench/gpus.py). The 70-72 W L4 and T4 hold about a third and half; a 250-700 W data-centre GPU all.
+  Tensor-core work is power-bound at a Hopper board's nominal limit already (the fitted efficiencies
+  hold that clock; FP8 holds a measured ``fp8_clock_share`` of BF16's); a board capped below its limit
+  keeps the cube root of its power above idle as clock (``capped_clock_fraction``: f·V², V ~ f).
 - Attention (``attention_ns``): FLOPs at a per-kernel efficiency of the tensor peak (cuDNN, flash,
   memory-efficient; forward and backward apart), counting only the score tiles a causal kernel visits
   (an explicit mask visits them all) and the head dimension padded to the kernel's 64-wide tiles,
@@ -63,6 +66,12 @@ class GpuModel:
     # Board watts an FP32-unit GEMM draws per TFLOP/s of the FP32 peak per nm of process node, at the boost
     # clock; 0: no board is power-bound (the H100 fit: its 700 W is never the limit).
     fp32_watts_per_tflop_nm: float = 0.0
+    # The clock an FP8 GEMM holds at the board's power limit, over a BF16 GEMM's: FP8 tensor work draws
+    # more power per clock, so the power manager holds it lower. Measured on the lent H200 at its 700 W
+    # limit, 8,192^3 GEMMs back to back for 9 s each (bench/gpu_power.sh, bench/data/lent-gpus/h200/power/):
+    # BF16 653.4 TFLOP/s at a median 1,455 MHz, FP8 1,183.8 TFLOP/s (1.81x, not the peaks' 2x) at 1,312 MHz
+    # (0.902 of it): per clock the two reach the same share of their peaks. The share from the FLOP rates:
+    fp8_clock_share: float = 1183.8 / 653.4 / 2
     gemm_tile_edge: float = 13.6  # elements: a tile's efficiency is tm·tn / (tm·tn + edge·(tm + tn))
     gemm_kernel_ns: float = 5580.0  # fixed cost of one GEMM call (launch, prologue, epilogue)
     gemm_min_ns: float = 25200.0  # the shortest a cuBLAS call took back to back in eager PyTorch
@@ -137,6 +146,8 @@ class GpuFacts:
     l2_bytes: int = 0  # 0: unknown (nothing is taken to stay in L2)
     power_limit_w: float = 0.0  # the board's power limit; 0: unknown (never power-bound)
     process_nm: float = 0.0  # the die's process node (TSMC 4N counts as 5); 0: unknown
+    power_cap_w: float = 0.0  # the limit the board is run at, below its nominal one (nvidia-smi -pl); 0: nominal
+    idle_power_w: float = 0.0  # what the board draws doing nothing (leakage, memory refresh); 0: unknown
     threads_per_sm: int = 2048  # resident threads per SM (RESIDENT_THREADS by compute capability)
 
 
@@ -155,11 +166,13 @@ def gemm_ns(m: int, k: int, n: int, batch: int, dtype: str, leading_dims: tuple[
     if itemsize == 4:
         efficiency = model.gemm_fp32_efficiency * sustained_clock_fraction(facts, model)
     elif grouped:
-        efficiency = model.gemm_grouped_efficiency
+        efficiency = model.gemm_grouped_efficiency * capped_clock_fraction(facts)
     else:
         align = alignment_bytes(leading_dims, itemsize)
         efficiency = (model.gemm_tensor_efficiency if align >= 16 else model.gemm_sm80_efficiency if align >= 4
-                      else model.gemm_align1_efficiency)
+                      else model.gemm_align1_efficiency) * capped_clock_fraction(facts)
+        if dtype == "fp8":
+            efficiency *= model.fp8_clock_share
     per_sm = facts.tensor_flops_per_s[dtype] * efficiency / facts.sm_count
     bandwidth = streaming_bytes_per_s(facts, model)
     compute_s = math.inf
@@ -218,10 +231,26 @@ def _compute_bound(m: int, k: int, n: int, dtype: str, facts: GpuFacts) -> bool:
 def sustained_clock_fraction(facts: GpuFacts, model: GpuModel) -> float:
     """Share of its boost clock a GPU holds through an FP32-unit GEMM: its power limit over what the
     FP32 peak would draw at ``fp32_watts_per_tflop_nm`` (1 where either is unknown)."""
-    if not (facts.power_limit_w and facts.process_nm and model.fp32_watts_per_tflop_nm):
+    board_w = facts.power_cap_w or facts.power_limit_w
+    if not (board_w and facts.process_nm and model.fp32_watts_per_tflop_nm):
         return 1.0
     peak_tflop_per_s = facts.tensor_flops_per_s["fp32"] / 1e12
-    return min(1.0, facts.power_limit_w / (peak_tflop_per_s * facts.process_nm * model.fp32_watts_per_tflop_nm))
+    return min(1.0, board_w / (peak_tflop_per_s * facts.process_nm * model.fp32_watts_per_tflop_nm))
+
+
+def capped_clock_fraction(facts: GpuFacts) -> float:
+    """Share of its clock at the nominal power limit that tensor-core work keeps on a board capped below it.
+
+    At the nominal limit such work is already power-bound (a BF16 GEMM on the lent 700 W H100 and H200 runs
+    at 1,335-1,455 MHz of 1,980, with the driver's "SW Power Cap" active: bench/gpu_power.sh), and the
+    fitted efficiencies hold that clock. Below it, the power manager lowers clock and voltage together
+    along the DVFS curve: dynamic power goes as f·V², V roughly as f, so the power above idle as f³, and
+    the clock as the cube root of the power left above idle. Memory-bound kernels are not taken to slow:
+    the lent H200 streamed 4.2 TB/s at its full 1,980 MHz drawing 480 W."""
+    if not (facts.power_cap_w and facts.power_limit_w) or facts.power_cap_w >= facts.power_limit_w:
+        return 1.0
+    above_idle = (facts.power_cap_w - facts.idle_power_w) / (facts.power_limit_w - facts.idle_power_w)
+    return max(0.0, above_idle) ** (1 / 3)
 
 
 def causal_fraction(q_len: int, kv_len: int) -> float:
@@ -239,10 +268,10 @@ def attention_ns(flops: int, backend: str, backward: bool, dtype: str, *, batch:
     direction = "backward" if backward else "forward"
     ctas = batch * heads * math.ceil(q_len / ATTENTION_TILE)  # one query block per CTA
     quantization = math.ceil(ctas / facts.sm_count) / (ctas / facts.sm_count)  # a last partial wave costs a whole one
-    efficiency = getattr(model, f"{backend}_{direction}_efficiency")
+    efficiency = getattr(model, f"{backend}_{direction}_efficiency") * capped_clock_fraction(facts)
     seconds = quantization * work / (facts.tensor_flops_per_s[dtype] * efficiency)
     scores = batch * heads * q_len * kv_len * (causal_fraction(q_len, kv_len) if is_causal and not has_mask else 1)
-    alu_per_s = facts.tensor_flops_per_s["fp32"]
+    alu_per_s = facts.tensor_flops_per_s["fp32"] * capped_clock_fraction(facts)  # the same SMs' clock
     seconds += quantization * scores * getattr(model, f"attention_{direction}_score_flops") / alu_per_s
     if has_mask:
         seconds *= 1 + getattr(model, f"attention_mask_{direction}_cost")

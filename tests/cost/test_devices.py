@@ -14,6 +14,8 @@ DATASHEETS = {
     "h100-pcie": (51, 1513, 3026, True, 2.0, 80, 114),  # same datasheet, PCIe column; SMs: H100 whitepaper
     "h100-nvl": (60, 1671, 3341, True, 3.9, 94, 132),  # same datasheet (2024), H100 NVL column
     "h200": (67, 1979, 3958, True, 4.8, 141, 132),  # NVIDIA H200 datasheet
+    # the H100 SXM's peaks and SMs; memory as torchtitan's Grand Teton hardware section states it (96GB HBM2e, 2.4 TB/s)
+    "h100-sxm-96gb": (67, 1979, 3958, True, 2.4, 96, 132),
     "a100-80gb": (19.5, 312, None, False, 2.039, 80, 108),  # NVIDIA A100 datasheet, SXM 80GB; SMs: A100 whitepaper
     "a100-40gb": (19.5, 312, None, False, 1.555, 40, 108),
     "l40s": (91.6, 362.05, 733, False, 0.864, 48, 142),  # NVIDIA L40S datasheet (dense figures printed beside the sparse)

@@ -4,13 +4,16 @@ profiles give for it, and the cross-GPU fits that carry the fitted term (fits/cr
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
 from fxworkload.cost import devices
-from fxworkload.cost.gpu import GpuFacts, GpuModel, gemm_ns, sustained_clock_fraction
+from fxworkload.cost.gpu import (GpuFacts, GpuModel, attention_ns, capped_clock_fraction, gemm_ns, memory_ns,
+                                 sustained_clock_fraction)
 from fxworkload.errors import UserError
 
+ROOT = Path(__file__).resolve().parents[2]
 # The die's process node as the architecture whitepapers state it (TSMC 4N/4NP, 5 nm-class, counted as 5).
 NODES_NM = {"p100-pcie": 16, "p4": 16, "v100-pcie": 12, "t4": 12, "a100-pcie-40gb": 7, "a100-pcie-80gb": 7,
             "a100-40gb": 7, "a100-80gb": 7, "mi100": 7, "mi210": 6, "l4": 5, "h100-sxm": 5, "b200": 5}
@@ -113,3 +116,53 @@ def test_each_host_tier_holds_its_systems_datasheet_share(name):
     assert profile.host_memory_capacity_bytes == pytest.approx(capacity * 1e9)
     assert all(profile.sources.get(k) for k in ("host_link_bytes_per_s", "host_memory_bytes_per_s",
                                                  "host_memory_capacity_bytes"))
+
+
+# A board capped below its nominal power limit (gpu.capped_clock_fraction).
+def _capped(cap_w: float) -> GpuFacts:
+    return GpuFacts(132, {"fp32": 67e12, "bf16": 989.4e12, "fp8": 1979e12}, 3.35e12, power_limit_w=700,
+                    process_nm=5, power_cap_w=cap_w, idle_power_w=81)
+
+
+def test_a_capped_board_keeps_the_cube_root_of_its_power_above_idle_as_clock():
+    """By hand: 500 W of 700 W with 81 W idle leaves 419 of 619 W above idle; dynamic power goes as f^3
+    (f V^2, V ~ f), so the clock keeps (419 / 619)^(1/3) = 0.878; at or above the nominal limit, or with
+    no cap, all of it."""
+    assert capped_clock_fraction(_capped(500)) == pytest.approx((419 / 619) ** (1 / 3))
+    assert capped_clock_fraction(_capped(500)) == pytest.approx(0.8780, abs=1e-4)
+    assert capped_clock_fraction(_capped(700)) == capped_clock_fraction(_capped(0)) == 1.0
+
+
+def test_a_cap_slows_tensor_core_work_by_the_clock_share_and_not_streaming_kernels():
+    """A compute-bound bf16 GEMM and the attention kernel's main loop take 1 / share as long (their fixed
+    costs aside); a memory-bound op's time is unchanged (the lent H200 streamed at its full clock, 480 W)."""
+    model = GpuModel(gemm_kernel_ns=0.0, gemm_min_ns=0.0, attention_kernel_ns=0.0, vector_kernel_ns=0.0,
+                     attention_forward_memory_passes=0.0)
+    capped, free = _capped(500), _capped(0)
+    share = capped_clock_fraction(capped)
+    slow, fast = (gemm_ns(8192, 8192, 8192, 1, "bf16", (8192,) * 3, f, model) for f in (capped, free))
+    assert slow == pytest.approx(fast / share, rel=1e-9)
+    shape = dict(batch=4, heads=32, q_len=4096, kv_len=4096, head_dim=128, is_causal=True, has_mask=False,
+                 dropout=0.0, model=model)
+    slow, fast = (attention_ns(10 ** 13, "cudnn", False, "bf16", facts=f, **shape) for f in (capped, free))
+    assert slow == pytest.approx(fast / share, rel=1e-9)
+    assert memory_ns(1 << 30, capped, model) == memory_ns(1 << 30, free, model)
+
+
+def test_fp8_gemms_run_at_the_clock_measured_beside_bf16_ones():
+    """The lent H200 at 700 W (bench/gpu_power.sh): 8,192^3 GEMMs back to back, BF16 then FP8; FP8 reached
+    1.81x BF16's FLOP rate, not the 2x of the datasheet peaks. The model's ratio for the same GEMMs is
+    within 1 % of the measured one."""
+    text = (ROOT / "bench/data/lent-gpus/h200/power/gemm.txt").read_text()
+    measured = {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if "TFLOP/s" in line}
+    profile = devices.load("h200")
+    facts, model = profile.gpu_facts(), profile.gpu_model()
+    bf16, fp8 = (gemm_ns(8192, 8192, 8192, 1, dtype, (8192,) * 3, facts, model) for dtype in ("bf16", "fp8"))
+    assert bf16 / fp8 == pytest.approx(measured["fp8"] / measured["bf16"], rel=0.01)
+
+
+def test_a_cap_must_lie_between_idle_and_the_nominal_limit(tmp_path):
+    good = json.loads((devices.DATA_DIR / "h100-sxm-96gb.json").read_text())
+    (tmp_path / "capped.json").write_text(json.dumps(good | {"name": "capped", "power_cap_w": 900.0}))
+    with pytest.raises(UserError, match="power_cap_w = 900.0 must lie above idle_power_w .* at most power_limit_w"):
+        devices.read(tmp_path / "capped.json")
