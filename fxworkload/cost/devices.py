@@ -174,14 +174,29 @@ def measured_cpu_paths() -> list[Path]:
 _NAME = NAME
 
 
+# A profile run below its nominal power limit: NAME@WATTSw (e.g. h100-sxm@500w), as `nvidia-smi -pl` sets it.
+CAPPED = re.compile(r"(?P<base>[^@]+)@(?P<watts>\d{1,5}(?:\.\d+)?)[wW]")
+
+
 def check_name(name: str, option: str = "--device") -> str:
-    """A profile name is a name (letters, digits, '.', '_', '-'), never a path."""
+    """A profile name is a name (letters, digits, '.', '_', '-'), never a path; NAME@WATTSw caps its board."""
+    if "@" in (name or ""):
+        capped = CAPPED.fullmatch(name)
+        if not capped:
+            raise UserError(f"{option} {name!r}: a board capped below its power limit is written NAME@WATTSw, "
+                            "e.g. h100-sxm@500w")
+        check_a_name(capped["base"], option, "device profile name")
+        return name
     return check_a_name(name, option, "device profile name")
 
 
 def load(name: str) -> DeviceProfile:
-    """A shipped datasheet profile, or one ``fxworkload calibrate`` measured; never measures."""
+    """A shipped datasheet profile, or one ``fxworkload calibrate`` measured; never measures. NAME@WATTSw:
+    that profile's board capped at WATTS (``power_cap_w``)."""
     check_name(name)
+    capped = CAPPED.fullmatch(name)
+    if capped:
+        return with_power_cap(load(capped["base"]), float(capped["watts"]), name)
     for path in ((measured_path(name),) if name == "cpu" else (DATA_DIR / f"{name}.json", measured_path(name))):
         if path.parent != DATA_DIR and store.folder("devices") is None:
             continue  # no measured profiles yet (and a folder others can write is refused there)
@@ -296,6 +311,19 @@ def check_dtype(profile: DeviceProfile, dtype: str) -> None:
         has = ", ".join(d for d in ("fp32", "fp16", "bf16") if d in profile.matmul_flops_per_s)
         raise UserError(f"device '{profile.name}' has no {dtype} rate in its profile (the GPU lacks it): use --dtype "
                         f"{has.replace(', ', ' or ')}")
+
+
+def with_power_cap(profile: DeviceProfile, watts: float, name: str) -> DeviceProfile:
+    """The profile's board run at ``watts``, below its nominal limit: its tensor-core work keeps the clock
+    gpu.capped_clock_fraction gives."""
+    if not profile.power_limit_w:
+        raise UserError(f"--device {name}: '{profile.name}' gives no nominal power limit (power_limit_w) to cap "
+                        "below; add it to the profile with its source")
+    if not profile.idle_power_w < watts <= profile.power_limit_w:
+        raise UserError(f"--device {name}: the cap must lie above the board's idle power ({profile.idle_power_w:g} W) "
+                        f"and at most its nominal limit ({profile.power_limit_w:g} W)")
+    return replace(profile, name=name, description=f"{profile.description}, capped at {watts:g} W",
+                   power_cap_w=watts, sources={**profile.sources, "power_cap_w": f"--device {name}: the user's cap"})
 
 
 def with_topology(profile: DeviceProfile, text: str | None) -> DeviceProfile:

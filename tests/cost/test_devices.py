@@ -137,3 +137,14 @@ def test_an_amd_profile_traces_rocms_attention(tiny_dirs):
     assert result.settings["traced_on"] == "rocm gfx942 sdpa flash>efficient>math"
     backends = {op.sdpa_backend for op in result.workload.ops() if op.sdpa_backend}
     assert backends and "cudnn" not in backends
+
+
+# The board power each datasheet states (max thermal design power; a configurable range's top taken), W.
+POWER_W = {"h100-sxm": 700, "h100-pcie": 350, "h100-nvl": 400, "h200": 700, "a100-40gb": 400, "a100-80gb": 400,
+           "b200": 1000, "l40s": 350, "mi300x": 750, "mi325x": 1000}
+
+
+@pytest.mark.parametrize("name", sorted(POWER_W))
+def test_each_profile_gives_its_datasheets_board_power_with_a_source(name):
+    profile = load(name)
+    assert profile.power_limit_w == POWER_W[name] and profile.sources.get("power_limit_w")

@@ -4,6 +4,7 @@ profiles give for it, and the cross-GPU fits that carry the fitted term (fits/cr
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -166,3 +167,40 @@ def test_a_cap_must_lie_between_idle_and_the_nominal_limit(tmp_path):
     (tmp_path / "capped.json").write_text(json.dumps(good | {"name": "capped", "power_cap_w": 900.0}))
     with pytest.raises(UserError, match="power_cap_w = 900.0 must lie above idle_power_w .* at most power_limit_w"):
         devices.read(tmp_path / "capped.json")
+
+
+def test_a_device_named_with_a_cap_is_its_profile_capped():
+    """NAME@WATTSw: the profile with power_cap_w set; by hand, h100-sxm (700 W, no idle figure: 0) at 500 W
+    keeps (500 / 700)^(1/3) of its clock, the H200 (81 W idle, measured) (419 / 619)^(1/3)."""
+    capped = devices.load("h100-sxm@500w")
+    assert (capped.name, capped.power_cap_w, capped.power_limit_w) == ("h100-sxm@500w", 500.0, 700.0)
+    assert capped_clock_fraction(capped.gpu_facts()) == pytest.approx((500 / 700) ** (1 / 3))
+    assert capped_clock_fraction(devices.load("h200@500W").gpu_facts()) == pytest.approx((419 / 619) ** (1 / 3))
+    assert capped_clock_fraction(devices.load("h100-sxm").gpu_facts()) == 1.0
+
+
+@pytest.mark.parametrize("name, said", [("h100-sxm@500", "written NAME@WATTSw"), ("h100-sxm@800w", "at most its nominal"),
+                                        ("h200@50w", "above the board's idle power (81 W)"),
+                                        ("gb200@1000w", "no nominal power limit"), ("../x@500w", "not a device profile name")])
+def test_a_cap_that_cannot_be_is_refused_in_one_line(name, said):
+    with pytest.raises(UserError, match=re.escape(said)):
+        devices.load(name)
+
+
+def test_a_capped_step_slows_its_gemms_by_the_clock_share_and_keeps_its_memory_bound_ops():
+    """Llama 3 8B's layers (one micro-batch of 4,096 tokens): each GEMM that is not at the shortest-call floor
+    takes 1 / share as long net of its fixed cost; the ops that only stream memory keep their times."""
+    from fxworkload.pipeline import extract
+
+    args = dict(batch=1, seq=4096, dtype="bf16", progress=False)
+    free = extract("llama-3-8b", device="h100-sxm", **args)
+    capped = extract("llama-3-8b", device="h100-sxm@500w", **args)
+    assert capped.device.name == "h100-sxm@500w" and capped.settings["device"] == "h100-sxm@500w"
+    share, fixed_ns = (500 / 700) ** (1 / 3), free.device.gpu_model().gemm_kernel_ns
+    pairs = list(zip(free.workload.ops(), capped.workload.ops(), strict=True))
+    streaming = [(a, b) for a, b in pairs if a.kind not in ("matmul", "attention") and a.estimated_ns]
+    assert streaming and all(a.estimated_ns == b.estimated_ns for a, b in streaming)
+    large = [(a, b) for a, b in pairs if a.kind == "matmul" and a.estimated_ns > 200_000]
+    assert len(large) >= 7 * 32  # q/k/v/o and the three MLP GEMMs of every layer, forward alone
+    for a, b in large:
+        assert b.estimated_ns - fixed_ns == pytest.approx((a.estimated_ns - fixed_ns) / share, rel=0.02)
