@@ -254,6 +254,11 @@ def _add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
                        help="with --zero 1-3: step this share (0-1) of each rank's optimizer shard on the host CPU, its "
                             "Adam moments in host memory (Megatron-Core's --optimizer-cpu-offload "
                             "--optimizer-offload-fraction); needs a device with a host memory tier")
+    group.add_argument("--activation-offload-layers", type=int, default=0, metavar="N",
+                       help="with --pp 1 and --recompute none: copy the first N decoder layers' saved activations to "
+                            "host memory in forward and back in backward, on one stream beside the compute "
+                            "(Megatron-Core's --cpu-offloading --cpu-offloading-num-layers N, Transformer Engine's "
+                            "schedule); needs a device with a host memory tier")
     group.add_argument("--grad-reduce-after-backward", action="store_true",
                        help="start the gradients' data-parallel reduction when backward ends (Megatron-LM without "
                             "--overlap-grad-reduce; default: bucket by bucket during backward, as PyTorch DDP)")
@@ -274,7 +279,8 @@ def _parallel(args):
                     reshard_after_forward=not args.keep_gathered,
                     overlap_grad_reduce=not args.grad_reduce_after_backward,
                     overlap_param_gather=args.overlap_param_gather, tp_comm_overlap=args.tp_comm_overlap,
-                    fp8_param_gather=args.fp8_param_gather, optimizer_offload=args.optimizer_offload)
+                    fp8_param_gather=args.fp8_param_gather, optimizer_offload=args.optimizer_offload,
+                    activation_offload_layers=args.activation_offload_layers)
 
 
 def _formats(text: str) -> list[str]:

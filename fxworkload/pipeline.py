@@ -213,7 +213,7 @@ def extract(model: str, batch: int = 1, seq: int | None = None, dtype: str = "fp
         check_name(name, "--name")
     profile = devices.with_topology(load_device(device, say=print_progress if progress else None), topology)
     devices.check_dtype(profile, dtype)
-    if parallel.optimizer_offload:
+    if parallel.optimizer_offload or parallel.activation_offload_layers:
         from .cluster.offload import check_host_tier
 
         check_host_tier(profile)

@@ -259,7 +259,9 @@ def _parts_ms(step) -> dict[str, float]:
     blocking = exposed["tp"] + exposed["cp"] + exposed["ep"]
     busiest = max(step.devices, key=lambda d: d.compute_ns)
     copies = exposed.get("zero3_copies", 0.0)  # FSDP2's copy kernels: on the compute stream, in compute_ns
-    parts = {"compute": busiest.compute_ns + busiest.bucket_slowdown_ns - blocking - copies, "tp": exposed["tp"],
+    offload = exposed.get("activation_offload", 0.0)  # the passes' waits on activation copies: in compute_ns too
+    parts = {"compute": busiest.compute_ns + busiest.bucket_slowdown_ns - blocking - copies - offload,
+             "activation offload": offload, "tp": exposed["tp"],
              "cp": exposed["cp"], "ep": exposed["ep"], "bubble": exposed["pp_bubble"], "dp": exposed["dp"],
              "zero gathers": exposed["zero_gather"] + exposed["zero3_gather"], "fsdp copies": copies,
              "optimizer": exposed["optimizer"]}

@@ -33,6 +33,7 @@ from ..parallel.memory import ADAM_BYTES_PER_PARAMETER, fp8_weight_elements
 from ..parallel.rank import MODEL_PARALLEL_FIELDS, model_chunks, model_parallel_chunks, split_once
 from ..parallel.units import Comm, Unit, is_expert
 from ..workload.table import Workload
+from .activation_offload import OffloadedPass, copy_ns, offloaded_pass
 from .network import comm_ns, p2p_ns
 from .offload import offloaded_step_ns
 from .schedule import BACKWARD, Pass, timelines
@@ -58,6 +59,7 @@ class DeviceSummary:
     zero3_exposed_gather_ns: float = 0.0  # ZeRO 3: compute waiting for parameters, every pass of the step
     zero3_copy_ns: float = 0.0  # ZeRO 3: FSDP2's copy kernels on the compute stream, every pass of the step
     bucket_slowdown_ns: float = 0.0  # backward compute lost to the SMs overlapped gradient buckets' NCCL kernels held
+    offload_wait_ns: float = 0.0  # --activation-offload-layers: compute waiting on the copies, every micro-batch
 
 
 @dataclass
@@ -86,6 +88,29 @@ class ClusterStep:
     # captured, before recomputation), applied to the whole step: the collectives are taken as they are
     # estimated; (1, 1) where the profile has none
     interval_ratio: tuple[float, float] = (1.0, 1.0)
+    # --activation-offload-layers: one micro-batch's timeline of the copies (activation_offload.py), its decoder
+    # layers in order (the timeline's indices)
+    activation_copies: OffloadedPass | None = field(repr=False, default=None)
+    offload_layer_ids: tuple[int, ...] = field(repr=False, default=())
+
+    def activation_wait_ns(self, layer: int | None, forward: bool) -> float:
+        """What a decoder layer's forward or backward waits on the activations' copies, per micro-batch."""
+        if self.activation_copies is None or layer not in self.offload_layer_ids:
+            return 0.0
+        waits = self.activation_copies.forward_waits_ns if forward else self.activation_copies.backward_waits_ns
+        return waits[self.offload_layer_ids.index(layer)]
+
+    def copy_waits(self, units: list[Unit], forward: bool) -> dict[int, float]:
+        """id(unit) -> what it waits on activation copies before it runs, ``units`` in the pass's order: the
+        first unit of each decoder layer carries the layer's wait (activation_offload.py)."""
+        waits, seen = {}, set()
+        for unit in units:
+            if unit.layer is not None and unit.layer not in seen:
+                seen.add(unit.layer)
+                wait = self.activation_wait_ns(unit.layer, forward)
+                if wait > 0:
+                    waits[id(unit)] = wait
+        return waits
 
     @property
     def step_interval_ns(self) -> tuple[float, float] | None:
@@ -176,6 +201,11 @@ def cluster_step(facts: ModelFacts, workload: Workload, model_workload: Workload
             zero3_exposed[d] = p.micro_batches * sum(t.exposed_gather_ns for t in timelines_f + timelines_b)
             zero3_copies[d] = p.micro_batches * sum(t.copy_ns for t in timelines_f + timelines_b)
             zero3_trailing[d] = timelines_b[0].trailing_ns  # the step's last backward is chunk 0's
+    offloaded = None  # --activation-offload-layers (pp 1, one chunk): the copies' timeline beside each micro-batch
+    if p.activation_offload_layers:
+        offload_layers, offloaded = activation_offload_pass(layouts[0][0][0], p, device)
+        forward[0][0] += offloaded.forward_wait_ns
+        backward[0][0] += offloaded.backward_wait_ns
     boundary = micro_batch * seq * facts.hidden * DTYPES[dtype].itemsize // (p.tp if p.sp else 1)
     transfer = p2p_ns(boundary, p, device)
     passes = timelines(p.pp, p.vpp, p.micro_batches, forward, backward, transfer)
@@ -200,7 +230,9 @@ def cluster_step(facts: ModelFacts, workload: Workload, model_workload: Workload
                                      pipeline_end_ns=pipeline_end, data_parallel_end_ns=dp_end,
                                      optimizer_ns=optimizer, zero_gather_ns=gather, end_ns=end,
                                      zero3_gather_ns=zero3[d], zero3_exposed_gather_ns=zero3_exposed[d],
-                                     zero3_copy_ns=zero3_copies[d], bucket_slowdown_ns=slowed[d]))
+                                     zero3_copy_ns=zero3_copies[d], bucket_slowdown_ns=slowed[d],
+                                     offload_wait_ns=p.micro_batches * (offloaded.forward_wait_ns +
+                                                                        offloaded.backward_wait_ns) if offloaded else 0.0))
     slowest = max(devices, key=lambda x: x.end_ns)
     busiest = max(devices, key=lambda x: x.compute_ns)
     pipeline_ns = max(x.pipeline_end_ns for x in devices)
@@ -213,6 +245,7 @@ def cluster_step(facts: ModelFacts, workload: Workload, model_workload: Workload
                "zero_gather": slowest.zero_gather_ns, "zero3_gather": slowest.zero3_exposed_gather_ns,
                "zero3_copies": slowest.zero3_copy_ns,
                "dp_bucket_slowdown": slowest.bucket_slowdown_ns,
+               "activation_offload": slowest.offload_wait_ns,
                "optimizer": slowest.optimizer_ns}
     ranks_per_stage = p.tp * p.replicas
     model_flops = sum(f[0] for f in flops) * micro * ranks_per_stage
@@ -225,7 +258,29 @@ def cluster_step(facts: ModelFacts, workload: Workload, model_workload: Workload
                        device_chunks=[layout[0] for layout in layouts], boundary_bytes=boundary, profile=device,
                        param_gathers=[param_gather_groups(*layout, p, dtype, grad_dtype) for layout in layouts]
                        if p.overlap_param_gather and p.zero in (1, 2) else [],
-                       interval_ratio=_interval_ratio(model_workload))
+                       interval_ratio=_interval_ratio(model_workload), activation_copies=offloaded,
+                       offload_layer_ids=tuple(offload_layers) if offloaded else ())
+
+
+def activation_offload_pass(chunk: list[Unit], p: Parallel, device: DeviceProfile) -> tuple[list[int], OffloadedPass]:
+    """One micro-batch's waits on the first layers' activation copies (activation_offload.py), from the chunk's
+    decoder layers' compute and blocking collectives and their saved bytes."""
+    forward: dict[int, float] = {}
+    backward: dict[int, float] = {}
+    saved: dict[int, int] = {}
+    head_ns = 0.0
+    for u in chunk:
+        f = u.costs[FORWARD][0] + _comms_ns(u, FORWARD, p, device)
+        b = u.costs[INPUT_GRAD][0] + u.costs[WEIGHT_GRAD][0] + _comms_ns(u, INPUT_GRAD, p, device)
+        if u.layer is None:
+            head_ns += f + b if forward else 0.0  # after the layers: the head and loss; before them, the embedding
+            continue
+        forward[u.layer] = forward.get(u.layer, 0.0) + f
+        backward[u.layer] = backward.get(u.layer, 0.0) + b
+        saved[u.layer] = saved.get(u.layer, 0) + u.saved()
+    layers = sorted(forward)
+    return layers, offloaded_pass([forward[j] for j in layers], [backward[j] for j in layers],
+                                  [copy_ns(saved[j], device) for j in layers], p.activation_offload_layers, head_ns)
 
 
 def _alike_devices(facts: ModelFacts, workload: Workload, model_workload: Workload, p: Parallel) -> list[int]:

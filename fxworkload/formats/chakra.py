@@ -190,6 +190,8 @@ def _rank_nodes(pb, cluster, rank: int, groups: dict) -> list:
         stream = [b.collective(name, comm, comm_ns(comm, p, cluster.profile), deps=[*deps, *stream])]
         return stream[0]
 
+    copy_waits = cluster.copy_waits(chunks[0], True)  # --activation-offload-layers (pp 1: one chunk)
+    back_waits = cluster.copy_waits(list(reversed(chunks[0])), False)
     for kind, chunk, mb, _, _ in cluster.device_passes[stage]:
         virtual = chunk * p.pp + stage
         forward = kind == "F"
@@ -219,6 +221,10 @@ def _rank_nodes(pb, cluster, rank: int, groups: dict) -> list:
                 ready = [issue(mb, c, groups[i + 1][0][0], list(b.last)) for c in groups[i + 1][phase_gathers]]
             _copy_node(b, pb, f"mb{mb} {members[0].name} FSDP2 copy-out", group[phase_gathers], cluster)
             for unit in members if forward else reversed(members):
+                wait = copy_waits.get(id(unit), 0.0) if forward else back_waits.get(id(unit), 0.0)
+                if wait > 0:  # --activation-offload-layers: the layer waits for its activations' copy first
+                    b.chain(f"mb{mb} {unit.name} waits for activation copies", pb.COMP_NODE, duration_ns=wait,
+                            num_ops=0, tensor_size=0)
                 _unit_nodes(b, pb, unit, forward, mb, p, cluster, completes)
             if not forward:
                 _copy_node(b, pb, f"mb{mb} {members[0].name} FSDP2 copy-in", scatters, cluster)

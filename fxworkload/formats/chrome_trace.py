@@ -19,16 +19,18 @@ from ..parallel.layout import Parallel
 from ..parallel.rank import RankWorkload
 from ..parallel.units import Unit
 
-COMPUTE, MODEL_PARALLEL_COMM, DATA_PARALLEL_COMM = 0, 1, 2
+COMPUTE, MODEL_PARALLEL_COMM, DATA_PARALLEL_COMM, HOST_COPIES = 0, 1, 2, 3
 THREADS = {COMPUTE: "compute", MODEL_PARALLEL_COMM: "tp/ep collectives", DATA_PARALLEL_COMM: "dp collectives"}
+HOST_COPIES_THREAD = "activation copies to and from the host (one offload stream)"
 
 
 def trace_json(rank: RankWorkload, device: DeviceProfile, cluster, stack: str = "eager") -> str:
     check_device(device, rank.parallel)
     timeline = _Timeline(rank.parallel, device)
     _rank_in_the_cluster(timeline, cluster, rank.parallel.stage)
+    threads = THREADS | ({HOST_COPIES: HOST_COPIES_THREAD} if cluster.activation_copies else {})
     meta = [{"name": "thread_name", "ph": "M", "pid": rank.parallel.stage, "tid": tid, "args": {"name": name}}
-            for tid, name in THREADS.items()]
+            for tid, name in threads.items()]
     meta.append({"name": "process_name", "ph": "M", "pid": rank.parallel.stage, "tid": 0,
                  "args": {"name": f"pipeline stage {rank.parallel.stage}, tensor-parallel rank 0"}})
     events = meta + timeline.events
@@ -45,13 +47,21 @@ def _rank_in_the_cluster(timeline: "_Timeline", cluster, stage: int) -> None:
     chunks = cluster.device_chunks[stage]
     for kind, chunk, micro_batch, start, _ in cluster.device_passes[stage]:
         timeline.now_ns = start
-        if kind == "F":
-            for unit in chunks[chunk]:
+        order = chunks[chunk] if kind == "F" else list(reversed(chunks[chunk]))
+        waits = cluster.copy_waits(order, kind == "F")
+        for unit in order:
+            if id(unit) in waits:  # --activation-offload-layers: the layer waits for an activation copy first
+                timeline.span("waiting for activation copies", "offload", COMPUTE, timeline.now_ns, waits[id(unit)],
+                              micro_batch=micro_batch)
+                timeline.now_ns += waits[id(unit)]
+            if kind == "F":
                 timeline.compute(unit, FORWARD, micro_batch)
-        else:
-            for unit in reversed(chunks[chunk]):
+            else:
                 timeline.compute(unit, INPUT_GRAD, micro_batch)
                 timeline.compute(unit, WEIGHT_GRAD, micro_batch)
+        if kind == "F":
+            for name, at, end in copy_spans(cluster, start):
+                timeline.span(name, "offload", HOST_COPIES, at, end - at, micro_batch=micro_batch)
     for device, name, start, end, nbytes in cluster.data_parallel_spans:
         if device == stage:
             timeline.span(name, "comm", DATA_PARALLEL_COMM, start, end - start, bytes=nbytes)
@@ -78,11 +88,15 @@ def cluster_events(cluster) -> list[dict]:
                        "args": {"name": f"cluster: pipeline stage {d} (every micro-batch)"}})
         events += [{"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": name}}
                    for tid, name in ((COMPUTE, "passes (compute and tp/ep collectives)"),
-                                     (DATA_PARALLEL_COMM, "dp collectives"))]
+                                     (DATA_PARALLEL_COMM, "dp collectives"),
+                                     *([(HOST_COPIES, HOST_COPIES_THREAD)] if cluster.activation_copies else []))]
     for x in cluster.passes:
         name = f"{'forward' if x.kind == 'F' else 'backward'} mb{x.micro_batch}" + (
             f" chunk{x.chunk}" if cluster.parallel.vpp > 1 else "")
         events.append(_cluster_span(name, "pass", x.device, COMPUTE, x.start_ns, x.end_ns, micro_batch=x.micro_batch))
+        if x.kind == "F":
+            events += [_cluster_span(copy, "offload", x.device, HOST_COPIES, at, end, micro_batch=x.micro_batch)
+                       for copy, at, end in copy_spans(cluster, x.start_ns)]
         gather = cluster.devices[x.device].zero3_gather_ns[0 if x.kind == "F" else 1]
         if gather > 0:
             events.append(_cluster_span("ZeRO 3 parameter gather", "comm", x.device, DATA_PARALLEL_COMM, x.start_ns,
@@ -101,6 +115,18 @@ def cluster_events(cluster) -> list[dict]:
             events.append(_cluster_span(_gather_name(cluster.parallel), "comm", d.device, DATA_PARALLEL_COMM,
                                         start + d.optimizer_ns, d.end_ns))
     return events
+
+
+def copy_spans(cluster, forward_start_ns: float) -> list[tuple[str, float, float]]:
+    """--activation-offload-layers: one micro-batch's copies out and back, from its forward's start."""
+    if cluster.activation_copies is None:
+        return []
+    spans = []
+    for layer, (out_start, out_end, back_start, back_end) in zip(cluster.offload_layer_ids,
+                                                                 cluster.activation_copies.copies_ns):
+        spans += [(f"layer {layer} activations to the host", forward_start_ns + out_start, forward_start_ns + out_end),
+                  (f"layer {layer} activations back", forward_start_ns + back_start, forward_start_ns + back_end)]
+    return spans
 
 
 def _gather_name(p: Parallel) -> str:

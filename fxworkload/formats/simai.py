@@ -77,8 +77,31 @@ def from_rank(rank: RankWorkload, device=None) -> SimaiWorkload:
     p = rank.parallel
     header = {"model_parallel_NPU_group": p.tp, "ep": p.ep, "pp": p.pp, "vpp": p.vpp, "ga": p.micro_batches,
               "all_gpus": p.world, "checkpoints": 0, "checkpoint_initiates": 0, "pp_comm": rank.pp_comm_bytes}
+    waits = _copy_waits(rank, device)
     return SimaiWorkload(policy=POLICY, header=header,
-                         rows=[row for unit in step_units(rank) for row in _rows(unit, p, device)])
+                         rows=[row for unit in step_units(rank) for row in _rows(unit, p, device, waits)])
+
+
+def _copy_waits(rank: RankWorkload, device) -> dict[tuple[int, str], float]:
+    """--activation-offload-layers: (id of a unit, phase) -> what the pass waits there on activation copies
+    (cluster/activation_offload.py), folded into that unit's compute as the cluster step runs it: a layer's
+    forward wait on its first unit, its backward wait on its last (SimAI runs backward in reverse)."""
+    p = rank.parallel
+    if not p.activation_offload_layers:
+        return {}
+    from ..cluster.step import activation_offload_pass
+
+    chunk = [u for u in rank.chunks[0] if u.block != "dp"]
+    layers, copies = activation_offload_pass(chunk, p, device)
+    by_layer: dict[int, list[Unit]] = {}
+    for unit in chunk:
+        if unit.layer is not None:
+            by_layer.setdefault(unit.layer, []).append(unit)
+    waits = {}
+    for index, layer in enumerate(layers):
+        waits[id(by_layer[layer][0]), PHASES[0]] = copies.forward_waits_ns[index]
+        waits[id(by_layer[layer][-1]), PHASES[1]] = copies.backward_waits_ns[index]
+    return waits
 
 
 def step_units(rank: RankWorkload) -> list[Unit]:
@@ -111,10 +134,11 @@ def step_units(rank: RankWorkload) -> list[Unit]:
     return out
 
 
-def _rows(unit: Unit, p, device) -> list[SimaiRow]:
+def _rows(unit: Unit, p, device, waits: dict | None = None) -> list[SimaiRow]:
     comms = [[c for c in unit.comms[phase] if c.group != "cp" and not c.overlapped] for phase in PHASES]
     copies = _fsdp2_copies(unit, device)
-    folded = [_folded_ns(unit, phase, p, device) + copies[phase] for phase in PHASES]
+    folded = [_folded_ns(unit, phase, p, device) + copies[phase] + (waits or {}).get((id(unit), phase), 0.0)
+              for phase in PHASES]
     name = EMBEDDING_ROW if unit.block == EMBEDDING else unit.name
     rows = []
     for k in range(max(1, *(len(c) for c in comms))):

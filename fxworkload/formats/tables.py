@@ -230,6 +230,8 @@ def cluster_summary_text(cluster, fp8: bool = False) -> str:
               f"{exposed.get('dp_bucket_slowdown', 0.0) / 1e6:.3f}"],
              *([["ZeRO 3 copy kernels ms (FSDP2's copy-out after each gather, copy-in before each reduce-scatter)",
                  f"{exposed['zero3_copies'] / 1e6:.3f}"]] if exposed.get("zero3_copies") else []),
+             *([["exposed ms: activation copies to and from the host (compute waiting on them)",
+                 f"{exposed['activation_offload'] / 1e6:.3f}"]] if exposed.get("activation_offload") else []),
              ["optimizer step ms (Adam, memory-bound)", f"{exposed['optimizer'] / 1e6:.3f}"],
              [(f"MFU / HFU (model / hardware FLOPs over the {_peak_name(cluster)} dense peak, "
                f"{cluster.peak_flops_per_s / 1e12:,.1f} TFLOP/s{_fp8_note(cluster, fp8)})" if cluster.profile is None or

@@ -47,6 +47,9 @@ class Parallel:
     # the share of each rank's optimizer shard stepped on the host CPU, its Adam moments in host memory
     # (Megatron-Core's --optimizer-cpu-offload --optimizer-offload-fraction: HybridDeviceOptimizer)
     optimizer_offload: float = 0.0
+    # the saved activations of the rank's first N decoder layers copied to host memory in forward and back
+    # in backward (Megatron-Core's --cpu-offloading --cpu-offloading-num-layers N: cluster/activation_offload.py)
+    activation_offload_layers: int = 0
 
     @property
     def world(self) -> int:
@@ -102,6 +105,15 @@ def check_values(parallel: Parallel) -> None:
     if p.optimizer_offload and p.zero == 0:
         raise UserError("--optimizer-offload offloads the distributed optimizer's shard (Megatron-Core's "
                         "--optimizer-cpu-offload needs --use-distributed-optimizer): it needs --zero 1, 2 or 3")
+    if not isinstance(p.activation_offload_layers, int) or p.activation_offload_layers < 0:
+        raise UserError(f"--activation-offload-layers is a count of decoder layers, 0 or more; got "
+                        f"{p.activation_offload_layers!r}")
+    if p.activation_offload_layers and p.pp > 1:  # megatron/core/transformer/transformer_config.py __post_init__
+        raise UserError("--activation-offload-layers needs --pp 1: Megatron-Core has 'no support for Pipeline "
+                        "parallelism with CPU offloading'")
+    if p.activation_offload_layers and p.recompute != "none":
+        raise UserError("--activation-offload-layers needs --recompute none: Megatron-Core's 'CPU offloading does not "
+                        "work when activation recomputation is enabled'")
     if p.fp8_param_gather and p.zero == 0:
         raise UserError("--fp8-param-gather moves ZeRO's parameter all-gathers in FP8: it needs --zero 1, 2 or 3")
     if p.cp_comm not in CP_COMMS:
@@ -164,6 +176,9 @@ def check(parallel: Parallel, facts) -> None:
         if p.micro_batches % p.pp:
             raise UserError(f"the interleaved schedule runs micro-batches in groups of --pp {p.pp}: "
                             f"--micro-batches {p.micro_batches} must be a multiple of it")
+    if p.activation_offload_layers >= facts.layers:
+        raise UserError(f"--activation-offload-layers {p.activation_offload_layers} must be below the model's "
+                        f"{facts.layers} layers (Megatron-Core offloads at most all but the last)")
     stage_layers(p, facts.layers)  # checks the counts
     fewest = min(len(chunk) for chunk in virtual_stage_layers(p, facts.layers))
     if p.recompute_layers is not None and p.recompute_layers > fewest:

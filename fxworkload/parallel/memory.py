@@ -45,7 +45,8 @@ class RankMemory:
     capacity_bytes: int  # the device's memory; 0 where the profile has none (CPU)
     gathered_parameters_bytes: int = 0  # ZeRO 3 --keep-gathered: every unit's gathered parameters, forward to backward
     fp8_weights_bytes: int = 0  # --fp8: the FP8 copies of the rank's linear weights and their transposes (2 bytes each)
-    host_bytes: int = 0  # --optimizer-offload: the offloaded share's host copy, moments and pinned gradients
+    host_bytes: int = 0  # --optimizer-offload: the offloaded share's host copy, moments and pinned gradients;
+    # --activation-offload-layers: the offloaded layers' saved activations, pinned
 
     @property
     def fits(self) -> bool | None:
@@ -72,6 +73,10 @@ def rank_memory(p: Parallel, rank_units: list, workload: Workload, dtype: str, g
     # backward, so at the end of the forward every unit's whole copy is held beside the shards
     gathered = (dense + expert) * DTYPES[dtype].itemsize if p.zero == 3 and not p.reshard_after_forward else 0
     activations = saved * in_flight_chunks // p.vpp
+    # --activation-offload-layers (pp 1): the first N layers' saved tensors wait in host memory until backward
+    offloaded = sum(u.saved() for u in rank_units if u.block != "dp" and u.layer is not None
+                    and u.layer < p.activation_offload_layers)
+    activations -= offloaded
     # FP8 copies of the rank's linear weights and their transposes (2 bytes a weight); under ZeRO 3 of its
     # shard (the gathered unit's FP8 weights are transient, as its 16-bit ones are). With --fp8-param-gather
     # under ZeRO 1/2 (Megatron-LM) the weights themselves are kept in FP8: 1 byte less each, and only the
@@ -90,7 +95,7 @@ def rank_memory(p: Parallel, rank_units: list, workload: Workload, dtype: str, g
                       activations_bytes=activations, transient_bytes=transient, step_peak_bytes=step_peak,
                       total_peak_bytes=sum(states) + gathered + fp8_weights + activations + transient,
                       micro_batches_in_flight=in_flight, capacity_bytes=capacity_bytes, gathered_parameters_bytes=gathered,
-                      fp8_weights_bytes=fp8_weights, host_bytes=host)
+                      fp8_weights_bytes=fp8_weights, host_bytes=host + offloaded)
 
 
 def _offloaded(states: tuple[int, int, int], share: float, dtype: str, grad_size: int) -> tuple[tuple, int]:
@@ -152,7 +157,7 @@ def describe_fit(memory: RankMemory, device_name: str) -> str:
     if memory.fits is None:
         return f"{total:.2f} GiB (device '{device_name}' states no memory capacity)"
     capacity = memory.capacity_bytes / 2 ** 30
-    host = f"; {memory.host_bytes / 2 ** 30:.2f} GiB on the host (offloaded optimizer)" if memory.host_bytes else ""
+    host = f"; {memory.host_bytes / 2 ** 30:.2f} GiB on the host (offloaded)" if memory.host_bytes else ""
     if memory.fits:
         return f"{total:.2f} GiB of {capacity:.1f} GiB: fits, {capacity - total:.2f} GiB free{host}"
     return f"{total:.2f} GiB of {capacity:.1f} GiB: does NOT fit, {total - capacity:.2f} GiB over{host}"
