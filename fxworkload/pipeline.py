@@ -278,7 +278,7 @@ def extract(model: str, batch: int = 1, seq: int | None = None, dtype: str = "fp
         settings["topology"] = topology
     rank = rank_workload(facts, workload, parallel, batch, seq, dtype, grad_dtype)
     memory = rank_memory(rank.parallel, rank.units, workload, dtype, grad_dtype, captured_saved_bytes,
-                         regenerated_bytes, profile.memory_capacity_bytes)
+                         regenerated_bytes, profile.memory_capacity_bytes, profile.host_memory_capacity_bytes)
     return Extraction(facts=facts, workload=workload, device=profile, settings=settings, rank=rank, memory=memory,
                       model=model, model_workload=captured)
 

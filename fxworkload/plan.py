@@ -127,13 +127,26 @@ def candidate_layouts(run: Run, facts, gpus_per_node: int) -> tuple[dict, dict[s
                 if vpp > 1 and (pp == 1 or not fits_chunks or m % pp):
                     dropped["virtual stages do not divide the layers or micro-batches"] += 1
                     continue
-                for share in (0.0, 1.0) if run.offload and zero else (0.0,):
+                for share, layers in _offloads(run.offload, zero, pp, recompute, facts.layers):
                     groups.setdefault(Shape(tp, ep, b, cp), []).append(Parallel(
                         dp=dp, tp=tp, pp=pp, ep=ep, cp=cp, sp=tp > 1, micro_batches=m, zero=zero, recompute=recompute,
                         vpp=vpp, vocab_multiple=vocab_multiple, pp_layers=pp_layers,
                         overlap_param_gather=run.overlap_param_gather and zero in (1, 2),
-                        tp_comm_overlap=run.tp_comm_overlap and tp > 1, optimizer_offload=share))
+                        tp_comm_overlap=run.tp_comm_overlap and tp > 1, optimizer_offload=share,
+                        activation_offload_layers=layers))
     return groups, dropped
+
+
+def _offloads(offload: bool, zero: int, pp: int, recompute: str, layers: int) -> list[tuple[float, int]]:
+    """(optimizer share on the host, decoder layers whose activations go to the host) to try for one layout: with
+    --offload, the whole optimizer where ZeRO shards it, and where Megatron-Core allows activation offload (one
+    stage, no recomputation) a quarter, half, three quarters or all but one of the layers."""
+    tries = [(0.0, 0)]
+    if offload and zero:
+        tries.append((1.0, 0))
+    if offload and pp == 1 and recompute == "none":
+        tries += [(0.0, n) for n in sorted({max(1, layers * k // 4) for k in (1, 2, 3)} | {layers - 1}) if 0 < n < layers]
+    return tries
 
 
 def uneven_stages(layers: int, pp: int) -> tuple[int, ...] | None:
@@ -198,8 +211,9 @@ def _evaluate_shape(model, shape, layouts, seq, dtype, device, stack, grad_dtype
             layer_input = shape.micro_batch * seq * facts.hidden * DTYPES[dtype].itemsize // (p.tp if p.sp else 1)
             recomputed[key] = with_recompute(captured, p, facts.stack, facts.layers, layer_input)
         workload, regenerated = recomputed[key]
-        peak = _peak_bytes(facts, workload, captured, p, shape.micro_batch, seq, dtype, grad_dtype, regenerated, profile)
-        fits = peak <= profile.memory_capacity_bytes if profile.memory_capacity_bytes else None
+        peak, host_fits = _peak_bytes(facts, workload, captured, p, shape.micro_batch, seq, dtype, grad_dtype,
+                                      regenerated, profile)
+        fits = peak <= profile.memory_capacity_bytes and host_fits if profile.memory_capacity_bytes else None
         row = _layout_fields(p, profile.name, shape, fp8) | {"peak_bytes": peak, "fits": fits}
         if fits is False and not time_unfit:
             rows.append(row | dict.fromkeys(STEP_FIGURES))
@@ -217,26 +231,29 @@ def _evaluate_shape(model, shape, layouts, seq, dtype, device, stack, grad_dtype
 STEP_FIGURES = ("parts_ms", "step_ms", "mfu", "hfu", "step_low_ms", "step_high_ms", "tflops_per_gpu",
                 "tokens_per_s_per_gpu", "bubble", "exposed_gather_ms", "slowest_gpu_step_ms")
 _ROW_KEYS = {"device", "tp", "cp", "pp", "pp_layers", "dp", "ep", "sp", "vpp", "zero", "fp8", "recompute",
-             "recompute_layers", "micro_batch", "micro_batches", "optimizer_offload", "peak_bytes", "fits",
+             "recompute_layers", "micro_batch", "micro_batches", "optimizer_offload", "activation_offload_layers",
+             "peak_bytes", "fits",
              *STEP_FIGURES}
 
 
 _FLAT = Memo(4096)  # a device's units in one list, once per chunks: rank_memory sums each list once
 
 
-def _peak_bytes(facts, workload, captured, p, micro_batch, seq, dtype, grad_dtype, regenerated, profile) -> int:
-    """The layout's memory at its peak: the first stage holds the most micro-batches, the last the head."""
+def _peak_bytes(facts, workload, captured, p, micro_batch, seq, dtype, grad_dtype, regenerated,
+                profile) -> tuple[int, bool]:
+    """The layout's GPU memory at its peak (the first stage holds the most micro-batches, the last the head), and
+    whether what it offloads fits in the GPU's share of the host's memory."""
     from .parallel.memory import rank_memory
     from .parallel.rank import model_parallel_chunks
 
-    peak = 0
+    peak, host_fits = 0, True
     for d in sorted({0, p.pp - 1}):
         chunks = model_parallel_chunks(facts, workload, p, d, micro_batch, seq, dtype)
         units = _FLAT.get(id(chunks), (chunks,), lambda: [u for chunk in chunks for u in chunk])
         memory = rank_memory(replace(p, stage=d), units, workload, dtype, grad_dtype, captured.saved_bytes,
-                             regenerated, profile.memory_capacity_bytes)
-        peak = max(peak, memory.total_peak_bytes)
-    return peak
+                             regenerated, profile.memory_capacity_bytes, profile.host_memory_capacity_bytes)
+        peak, host_fits = max(peak, memory.total_peak_bytes), host_fits and memory.host_fits
+    return peak, host_fits
 
 
 def _step(facts, workload, captured, p, micro_batch, seq, dtype, grad_dtype, profile) -> dict:
@@ -345,7 +362,9 @@ def _order(row: dict) -> tuple:
                                        "micro_batch"))
 
 
-CHOICES = ("device", "tp", "cp", "pp", "vpp", "ep", "zero", "recompute", "micro_batch", "optimizer_offload")
+CHOICES = ("device", "tp", "cp", "pp", "vpp", "ep", "zero", "recompute", "micro_batch", "optimizer_offload",
+           "activation_offload_layers")
+OFFLOADS = ("optimizer_offload", "activation_offload_layers")
 TIE_MS = 0.5  # step times closer than this are a tie: the summary prints whole milliseconds
 
 
@@ -358,7 +377,7 @@ def rank_key(row: dict) -> tuple:
 def _simplicity(row: dict) -> tuple:
     dimensions = sum(1 for k in ("tp", "cp", "pp", "ep") if row.get(k, 1) > 1)
     return (dimensions, row["zero"], RECOMPUTE.index(row["recompute"]) if row["recompute"] in RECOMPUTE else
-            len(RECOMPUTE), row["vpp"], row.get("optimizer_offload", 0.0))
+            len(RECOMPUTE), row["vpp"], row.get("optimizer_offload", 0.0), row.get("activation_offload_layers", 0))
 
 
 def why_best(ranked: list[dict]) -> list[str]:
@@ -402,32 +421,42 @@ def fsdp_lines(ranked: list[dict]) -> list[str]:
             f"{best['step_ms']:.0f} ms step"]
 
 
-def offload_lines(ranked: list[dict], rows: list[dict]) -> list[str]:
-    """Which layouts only the optimizer's offload makes fit, and what it costs the best of them: its step against
-    its twin's (the same layout with the optimizer on the GPU, which does not fit), the optimizer's part of each."""
-    def twin_key(row: dict) -> tuple:
-        return tuple(str(row.get(k)) for k in (*CHOICES, "dp", "pp_layers", "recompute_layers") if k != "optimizer_offload")
+def offloaded(row: dict) -> bool:
+    """The layout keeps something on the host: its optimizer, or some layers' activations."""
+    return bool(row.get("optimizer_offload") or row.get("activation_offload_layers"))
 
-    on_gpu = {twin_key(r): r for r in rows if not r.get("optimizer_offload")}
+
+def offload_lines(ranked: list[dict], rows: list[dict]) -> list[str]:
+    """Which layouts only offload makes fit, and what it costs the best of them: its step against its twin's
+    (the same layout with nothing on the host, which does not fit), what the host's part of each is."""
+    def twin_key(row: dict) -> tuple:
+        return tuple(str(row.get(k)) for k in (*CHOICES, "dp", "pp_layers", "recompute_layers") if k not in OFFLOADS)
+
+    on_gpu = {twin_key(r): r for r in rows if not offloaded(r)}
     made_fit = [(r, on_gpu[twin_key(r)]) for r in ranked
-                if r.get("optimizer_offload") and twin_key(r) in on_gpu and on_gpu[twin_key(r)]["fits"] is False]
+                if offloaded(r) and twin_key(r) in on_gpu and on_gpu[twin_key(r)]["fits"] is False]
     if not made_fit:
-        offloaded = sum(1 for r in ranked if r.get("optimizer_offload"))
-        return [f"offload: makes no layout fit that does not fit without it ({offloaded:,} offloaded layouts fit)"]
+        count = sum(1 for r in ranked if offloaded(r))
+        return [f"offload: makes no layout fit that does not fit without it ({count:,} offloaded layouts fit)"]
     best, twin = made_fit[0]
     rank = ranked.index(best) + 1
     over_gib = (twin["peak_bytes"] - best["peak_bytes"]) / 2 ** 30
-    lines = [f"offload: {len(made_fit):,} layouts fit only with the optimizer on the host; the best of them "
-             f"(#{rank}: tp {best['tp']} cp {best['cp']} pp {best['pp']} dp {best['dp']} zero {best['zero']}, "
-             f"recompute {best['recompute']}, mbs {best['micro_batch']}) holds {over_gib:.1f} GiB less on the GPU"]
+    by_optimizer = sum(1 for r, _ in made_fit if r.get("optimizer_offload"))
+    what = (f"{best['activation_offload_layers']} layers' activations" if best.get("activation_offload_layers")
+            else "the optimizer")
+    lines = [f"offload: {len(made_fit):,} layouts fit only with something on the host ({by_optimizer:,} the optimizer, "
+             f"{len(made_fit) - by_optimizer:,} activations); the best of them (#{rank}: tp {best['tp']} cp {best['cp']} "
+             f"pp {best['pp']} dp {best['dp']} zero {best['zero']}, recompute {best['recompute']}, mbs "
+             f"{best['micro_batch']}, {what} on the host) holds {over_gib:.1f} GiB less on the GPU"]
+    part, name = (("activation offload", "waiting for activation copies") if best.get("activation_offload_layers")
+                  else ("optimizer", "the optimizer on the host"))
     if twin["step_ms"] is not None:
         lines.append(f"offload: its step {best['step_ms']:.0f} ms against {twin['step_ms']:.0f} ms on the GPU "
-                     f"(optimizer {best['parts_ms']['optimizer']:.0f} ms against {twin['parts_ms']['optimizer']:.0f} ms)")
+                     f"({part} {best['parts_ms'].get(part, 0.0):.0f} ms against {twin['parts_ms'].get(part, 0.0):.0f} ms)")
     else:
-        lines.append(f"offload: its step {best['step_ms']:.0f} ms, {best['parts_ms']['optimizer']:.0f} ms of it the "
-                     "optimizer on the host")
-    if ranked and not ranked[0].get("optimizer_offload"):
-        lines.append(f"offload: the fastest layout keeps its optimizer on the GPU ({ranked[0]['step_ms']:.0f} ms)")
+        lines.append(f"offload: its step {best['step_ms']:.0f} ms, {best['parts_ms'].get(part, 0.0):.0f} ms of it {name}")
+    if ranked and not offloaded(ranked[0]):
+        lines.append(f"offload: the fastest layout keeps everything on the GPU ({ranked[0]['step_ms']:.0f} ms)")
     return lines
 
 
@@ -637,7 +666,8 @@ def _layout_fields(p, device: str, shape, fp8: bool) -> dict:
             "pp_layers": list(p.pp_layers) if p.pp_layers else None, "dp": p.dp, "ep": p.ep, "sp": p.sp,
             "vpp": p.vpp, "zero": p.zero, "fp8": fp8, "recompute": p.recompute,
             "recompute_layers": p.recompute_layers, "micro_batch": shape.micro_batch,
-            "micro_batches": p.micro_batches, "optimizer_offload": p.optimizer_offload}
+            "micro_batches": p.micro_batches, "optimizer_offload": p.optimizer_offload,
+            "activation_offload_layers": p.activation_offload_layers}
 
 
 def _number(value) -> bool:

@@ -47,17 +47,25 @@ class RankMemory:
     fp8_weights_bytes: int = 0  # --fp8: the FP8 copies of the rank's linear weights and their transposes (2 bytes each)
     host_bytes: int = 0  # --optimizer-offload: the offloaded share's host copy, moments and pinned gradients;
     # --activation-offload-layers: the offloaded layers' saved activations, pinned
+    host_capacity_bytes: int = 0  # the GPU's share of the host's memory; 0 where the profile has none
 
     @property
     def fits(self) -> bool | None:
-        return None if not self.capacity_bytes else self.total_peak_bytes <= self.capacity_bytes
+        if not self.capacity_bytes:
+            return None
+        return self.total_peak_bytes <= self.capacity_bytes and self.host_fits
+
+    @property
+    def host_fits(self) -> bool:
+        return not self.host_capacity_bytes or self.host_bytes <= self.host_capacity_bytes
 
     def as_dict(self) -> dict:
         return asdict(self) | {"fits": self.fits}
 
 
 def rank_memory(p: Parallel, rank_units: list, workload: Workload, dtype: str, grad_dtype: str,
-                captured_saved_bytes: int, regenerated_bytes: int = 0, capacity_bytes: int = 0) -> RankMemory:
+                captured_saved_bytes: int, regenerated_bytes: int = 0, capacity_bytes: int = 0,
+                host_capacity_bytes: int = 0) -> RankMemory:
     """The memory of the rank ``p`` (its stage) whose units are ``rank_units``; ``workload`` as the
     step runs (recomputation applied); ``captured_saved_bytes`` what the captured step saved before
     recomputation; ``regenerated_bytes`` what one layer's recomputed forward re-creates in backward."""
@@ -95,7 +103,8 @@ def rank_memory(p: Parallel, rank_units: list, workload: Workload, dtype: str, g
                       activations_bytes=activations, transient_bytes=transient, step_peak_bytes=step_peak,
                       total_peak_bytes=sum(states) + gathered + fp8_weights + activations + transient,
                       micro_batches_in_flight=in_flight, capacity_bytes=capacity_bytes, gathered_parameters_bytes=gathered,
-                      fp8_weights_bytes=fp8_weights, host_bytes=host + offloaded)
+                      fp8_weights_bytes=fp8_weights, host_bytes=host + offloaded,
+                      host_capacity_bytes=host_capacity_bytes)
 
 
 def _offloaded(states: tuple[int, int, int], share: float, dtype: str, grad_size: int) -> tuple[tuple, int]:
@@ -158,6 +167,9 @@ def describe_fit(memory: RankMemory, device_name: str) -> str:
         return f"{total:.2f} GiB (device '{device_name}' states no memory capacity)"
     capacity = memory.capacity_bytes / 2 ** 30
     host = f"; {memory.host_bytes / 2 ** 30:.2f} GiB on the host (offloaded)" if memory.host_bytes else ""
+    if not memory.host_fits:
+        return (f"{total:.2f} GiB of {capacity:.1f} GiB, but {memory.host_bytes / 2 ** 30:.2f} GiB offloaded to the "
+                f"host's {memory.host_capacity_bytes / 2 ** 30:.1f} GiB share: does NOT fit")
     if memory.fits:
         return f"{total:.2f} GiB of {capacity:.1f} GiB: fits, {capacity - total:.2f} GiB free{host}"
     return f"{total:.2f} GiB of {capacity:.1f} GiB: does NOT fit, {total - capacity:.2f} GiB over{host}"

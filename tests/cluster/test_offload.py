@@ -117,7 +117,18 @@ def test_plan_says_which_layouts_only_offload_makes_fit_and_what_they_cost():
     twin = base | {"optimizer_offload": 0.0, "fits": False, "peak_bytes": 85 * 2 ** 30, "step_ms": 8500.0,
                    "parts_ms": {"optimizer": 40.0}}
     lines = offload_lines([offloaded], [offloaded, twin])
-    assert lines[0].startswith("offload: 1 layouts fit only with the optimizer on the host")
-    assert "holds 15.0 GiB less on the GPU" in lines[0]
+    assert lines[0].startswith("offload: 1 layouts fit only with something on the host (1 the optimizer, 0 activations)")
+    assert "the optimizer on the host) holds 15.0 GiB less on the GPU" in lines[0]
     assert lines[1] == "offload: its step 9000 ms against 8500 ms on the GPU (optimizer 600 ms against 40 ms)"
     assert offload_lines([twin | {"fits": True}], [twin | {"fits": True}])[0].startswith("offload: makes no layout fit")
+    # the same layout with a third of its layers' activations on the host instead (one stage, no recomputation)
+    one_stage = base | {"pp": 1, "recompute": "none", "optimizer_offload": 0.0}
+    activations = one_stage | {"activation_offload_layers": 8, "fits": True, "peak_bytes": 75 * 2 ** 30,
+                               "step_ms": 9100.0, "parts_ms": {"activation offload": 700.0, "optimizer": 40.0}}
+    kept = one_stage | {"activation_offload_layers": 0, "fits": False, "peak_bytes": 90 * 2 ** 30, "step_ms": 8400.0,
+                        "parts_ms": {"activation offload": 0.0, "optimizer": 40.0}}
+    lines = offload_lines([activations], [activations, kept])
+    assert "(0 the optimizer, 1 activations)" in lines[0]
+    assert "8 layers' activations on the host) holds 15.0 GiB less on the GPU" in lines[0]
+    assert lines[1] == ("offload: its step 9100 ms against 8400 ms on the GPU (activation offload 700 ms against "
+                        "0 ms)")
