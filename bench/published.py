@@ -104,7 +104,16 @@ TORCHTITAN = {
     "torchtitan 70B FSDP+TP Float8": ("llama-3-70b", 32, 8, 16, 8192, "full", "compiled", "torchao", False, 829, 71.9),
     "torchtitan 70B FSDP+TP Float8 AsyncTP": ("llama-3-70b", 32, 8, 16, 8192, "full", "compiled", "torchao", True, 876,
                                               67.6),
+    # its Table 3 (Llama 3.1 8B, 128 GPUs over 16 nodes, local batch 2, selective op recomputation)
+    "torchtitan 8B FSDP 128 GPUs": ("llama-3-8b", 128, 1, 2, 8192, "op", "eager", None, False, 5605, 67.0),
+    "torchtitan 8B FSDP compile 128 GPUs": ("llama-3-8b", 128, 1, 2, 8192, "op", "compiled", None, False, 6514, 62.0),
+    "torchtitan 8B FSDP compile Float8 128 GPUs": ("llama-3-8b", 128, 1, 2, 8192, "op", "compiled", "torchao", False,
+                                                   8380, 61.8),
 }
+# its Table 2 (Llama 3.1 8B, 8 GPUs, FSDP + CP, compile + Float8, local batch 1, full recomputation; torchtitan's
+# context parallelism rotates keys and values by all-gather, its default): name -> (fsdp, cp, seq, tok/s, GiB)
+TORCHTITAN_CP = {"torchtitan 8B CP1 32k": (8, 1, 32768, 3890, 83.9), "torchtitan 8B CP2 64k": (4, 2, 65536, 2540, 84.2),
+                 "torchtitan 8B CP4 128k": (2, 4, 131072, 1071, 84.0), "torchtitan 8B CP8 256k": (1, 8, 262144, 548, 84.5)}
 # An optimizer-offload ablation: NVIDIA-NeMo/RL pull request 3628 (Megatron-Core's HybridDeviceOptimizer, one
 # H100, Qwen3-0.6B; mean step of steps 11-100): offload fraction -> published step s (0: disabled; both
 # offloaded rows with overlap_cpu_optimizer_d2h_h2d on, as Megatron-Core's default and ours)
@@ -212,6 +221,29 @@ def torchtitan_row(name: str, root: Path) -> list:
                                          if published_gib else "")
     return [name, f"fsdp{dp} tp{tp}", dp * tp, f"{said}; {memory_text}", f"{published} tok/s", f"{ours:.0f} tok/s",
             f"{100 * (ours / published - 1):+.2f}%"]
+
+
+def torchtitan_cp_row(name: str, root: Path) -> list:
+    """One of torchtitan's long-context runs at its layout (as torchtitan_row), on Llama 3 8B's shapes with
+    positions up to the run's longest sequence (torchtitan takes its max_seq_len from the job, past 3.1's 131,072)."""
+    from transformers import LlamaConfig
+
+    from fxworkload.pipeline import extract
+
+    folder = root / "llama-3.1-8b-262k"
+    if not folder.exists():
+        config = json.loads((Path(__file__).resolve().parents[1] / "models/llama-3-8b/config.json").read_text())
+        LlamaConfig(**{k: v for k, v in config.items() if k != "model_type"} | {
+            "max_position_embeddings": 262144}).save_pretrained(folder)
+    fsdp, cp, seq, published, published_gib = TORCHTITAN_CP[name]
+    parallel = Parallel(dp=fsdp, cp=cp, cp_comm="allgather", zero=3, recompute="full")
+    run = extract(str(folder), batch=1, seq=seq, dtype="bf16", grad_dtype="fp32", device="h100-sxm-96gb",
+                  stack="compiled", fp8=True, fp8_recipe="torchao", parallel=parallel)
+    ours = run.cluster.tokens_per_s_per_gpu
+    memory = run.memory.total_peak_bytes / 2 ** 30
+    return [name, f"fsdp{fsdp} cp{cp}", fsdp * cp, f"compiled, Float8 (torchao), recompute full, seq {seq:,}; "
+            f"{memory:.1f} GiB vs {published_gib} ({100 * (memory / published_gib - 1):+.1f}%)", f"{published} tok/s",
+            f"{ours:.0f} tok/s", f"{100 * (ours / published - 1):+.2f}%"]
 
 
 def offload_rows(root: Path) -> list:
@@ -352,6 +384,10 @@ def main() -> None:
     for name in TORCHTITAN:
         if wanted is None or name in wanted or "torchtitan" in wanted:
             native.append(torchtitan_row(name, root))
+            print(" | ".join(map(str, native[-1])), file=sys.stderr, flush=True)
+    for name in TORCHTITAN_CP:
+        if wanted is None or name in wanted or "torchtitan" in wanted:
+            native.append(torchtitan_cp_row(name, root))
             print(" | ".join(map(str, native[-1])), file=sys.stderr, flush=True)
     if native:
         print("\nPyTorch-native runs (torchtitan; held out, issue 38's open gap):")
