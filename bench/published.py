@@ -89,8 +89,9 @@ LLAMA_405B = dict(model_type="llama", hidden_size=16384, intermediate_size=53248
 NEMO_FP8 = {"Llama 3 70B FP8 H100": ("llama-3-70b", 80, "h100-sxm", 64, 4, 8, 1, 5, 128, None, 1602),
             "Llama 3.1 405B FP8 H100": ("405b", 126, "h100-sxm", 1024, 8, 8, 2, 8, 512, (15, *[16] * 6, 15), 292),
             "Llama 3.1 405B FP8 B200": ("405b", 126, "b200", 128, 4, 8, 2, 8, 64, (15, *[16] * 6, 15), 661)}
-# torchtitan's docs/performance.md (PyTorch-native: FSDP2, torch.compile, torchao Float8, AsyncTP; H100s at 500 W
-# with 94-96 GB, which no profile here models: h100-sxm stands in). Held out: nothing is fitted on these.
+# torchtitan's benchmarks/llama3_h100_202412_torchtitan.md (PyTorch-native: FSDP2, torch.compile, torchao Float8,
+# AsyncTP; Grand Teton H100s with 96 GB of HBM2e at their default 500 W: the h100-sxm-96gb profile). Held out:
+# nothing is fitted on these.
 # name: (model, dp (FSDP), tp, local batch, seq, recompute, stack, fp8 recipe or None, AsyncTP,
 #        published tokens/s per GPU, published peak memory GiB (torch.cuda.max_memory_reserved) or None)
 TORCHTITAN = {
