@@ -324,6 +324,9 @@ def _extract(args, set_stage) -> int:
     _check_top(args.top)
     parallel = _parallel(args)
     _check_out(args)
+    from .cost.devices import check_name
+
+    check_name(args.device)  # a name, said before the model's config is read
     _quiet_transformers()
     if "chakra" in formats:
         from .formats.chakra import check_world

@@ -4,12 +4,24 @@ a file or a pipe a line at least every ``EVERY_S`` seconds, so that a log shows 
 from __future__ import annotations
 
 import contextlib
+import math
+import os
 import sys
 import threading
 import time
 from typing import Callable
 
-EVERY_S = 10.0
+
+def _every_s() -> float:
+    """$FXWORKLOAD_PROGRESS_EVERY_S where it is a positive number of seconds, else 10."""
+    try:
+        value = float(os.environ.get("FXWORKLOAD_PROGRESS_EVERY_S", "10"))
+    except ValueError:
+        return 10.0
+    return value if value > 0 and math.isfinite(value) else 10.0
+
+
+EVERY_S = _every_s()
 _STAGE = ["starting"]  # what the run said it is doing last: what a heartbeat names
 
 

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
-import pytest
-from transformers import CONFIG_MAPPING
+# Progress lines come every FXWORKLOAD_PROGRESS_EVERY_S seconds of wall time: on a busy CI machine a slow config
+# read would put one before a bad input's one-line error. The suite's commands say none (before fxworkload is
+# imported, for this process and the commands it starts); the tests of progress set their own interval.
+os.environ["FXWORKLOAD_PROGRESS_EVERY_S"] = "86400"
+
+import pytest  # noqa: E402
+from transformers import CONFIG_MAPPING  # noqa: E402
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 

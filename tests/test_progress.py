@@ -69,3 +69,11 @@ def test_profile_says_which_phase_is_still_running(tiny_dirs, tmp_path, monkeypa
     err = _stderr_of(["profile", tiny_dirs["gpt2"], "--seq", 16, "--on", "cpu", "--repeat", 30, "--warmup", 1,
                       "--out", tmp_path / "m"], monkeypatch)
     assert re.search(r"still (capturing|checking|timing|loading)[^\n]* \(\d+ s\)", err), err
+
+
+def test_the_interval_is_read_from_the_environment_and_a_bad_value_keeps_ten_seconds(monkeypatch):
+    for value, expected in (("2.5", 2.5), ("0", 10.0), ("-1", 10.0), ("nan", 10.0), ("soon", 10.0)):
+        monkeypatch.setenv("FXWORKLOAD_PROGRESS_EVERY_S", value)
+        assert progress._every_s() == expected
+    monkeypatch.delenv("FXWORKLOAD_PROGRESS_EVERY_S")
+    assert progress._every_s() == 10.0
