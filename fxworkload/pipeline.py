@@ -244,9 +244,9 @@ def extract(model: str, batch: int = 1, seq: int | None = None, dtype: str = "fp
                                 every_layer=every_layer, stack=stack)
     cached = graph_cache.load(cache_key, ModelFacts) if use_cache else None
     if cached is not None:
-        say(f"read the captured step from the cache ({graph_cache.path_of(cache_key)})")
-        check_parallel(parallel, cached.facts)
+        check_parallel(parallel, cached.facts)  # before any progress line: a bad layout is the only thing said
         check_positions(cached.facts, cached.seq * parallel.cp)
+        say(f"read the captured step from the cache ({graph_cache.path_of(cache_key)})")
         workload, seq, facts = cached.workload, cached.seq, cached.facts
     else:
         workload, seq, facts = _capture(model, batch, seq, dtype, grad_dtype, gpu, every_layer, say, parallel, stack,

@@ -216,9 +216,9 @@ def test_bad_parallel_settings_are_one_line_and_write_nothing(tiny_dirs, tmp_pat
     err = capsys.readouterr().err
     # one line, after at most the note that this CPU was measured (the cpu profile's first use) and, on a busy
     # machine, that the measurement is used for this run only
-    assert code == 2 and message in err.splitlines()[-1] and "Traceback" not in err
+    assert code == 2 and message in err.splitlines()[-1] and "Traceback" not in err, err
     assert all(line.startswith(("measuring this CPU", "warning: this CPU's measurement is not to be trusted"))
-               for line in err.splitlines()[:-1])
+               for line in err.splitlines()[:-1]), err
     assert not out.exists() or not any(out.iterdir())
 
 
@@ -337,3 +337,16 @@ def test_zero3_simai_rows_carry_fsdp2s_copies_as_the_step_runs_them(tiny_dirs, r
     assert all(r.input_grad_ns > 0 for r in rows if r.name.endswith("_backward"))
     assert any(r.name.endswith("_backward") for r in rows) == reshard
     assert all(r.weight_grad_ns > 0 for r in rows if "_reducescatter_" in r.name)
+
+
+def test_a_bad_layout_is_the_only_line_when_the_step_comes_from_the_cache(tiny_dirs, tmp_path, capsys):
+    """The first run captures the step and caches it; the second, with a layout the model cannot take, reads the
+    cached step's facts and says only what is wrong (no "read the captured step from the cache" line first)."""
+    code, _ = _run(tmp_path / "a", str(tiny_dirs["llama"]), "--seq", "16")
+    assert code == 0
+    capsys.readouterr()
+    code, out = _run(tmp_path / "b", str(tiny_dirs["llama"]), "--seq", "16", "--pp", "3")
+    err = capsys.readouterr().err
+    assert code == 2 and err.splitlines() == ["fxworkload: error: --pp 3 does not divide the model's 2 layers; choose "
+                                              "a --pp that divides it or give --pp-layers"], err
+    assert not out.exists() or not any(out.iterdir())
