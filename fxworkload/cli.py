@@ -37,8 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
     extract = commands.add_parser("extract", help="capture one training step and write the workload tables")
     _add_step_arguments(extract, "built-in name (see 'fxworkload models'), checkpoint folder, or config.json")
     extract.add_argument("--grad-dtype", default=None, help="gradient dtype for all-reduce sizes (default: --dtype)")
-    extract.add_argument("--device", default=DEFAULT_DEVICE, help=f"device profile (default {DEFAULT_DEVICE}; see 'fxworkload devices'); NAME@WATTSw caps its board "
-                         "below its nominal power, e.g. h100-sxm@500w")
+    extract.add_argument("--device", default=DEFAULT_DEVICE,
+                         help=f"device profile (default {DEFAULT_DEVICE}; see 'fxworkload devices'); NAME@WATTSw caps "
+                              "its board below its nominal power, e.g. h100-sxm@500w")
     extract.add_argument("--stack", default="eager", help=STACK_HELP)
     extract.add_argument("--topology", default=None, metavar="KEY=VALUE,...", help=TOPOLOGY_HELP)
     extract.add_argument("--fp8", action="store_true", help=FP8_HELP)

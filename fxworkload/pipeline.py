@@ -112,7 +112,7 @@ class Extraction:
                                                None if cluster is None else cluster.as_dict())
         if "simai" in formats:
             from .formats import simai
-            files["workload.simai.txt"] = simai.text(simai.from_rank(self.rank, self.device))
+            files["workload.simai.txt"] = simai.text(simai.from_rank(self.rank, self.device, self.cluster_or_none()))
         if "chrome-trace" in formats:
             from .formats.chrome_trace import trace_json
             files["workload.trace.json"] = trace_json(self.rank, self.device, self.cluster, self.settings["stack"])

@@ -421,14 +421,11 @@ def fsdp_lines(ranked: list[dict]) -> list[str]:
             f"{best['step_ms']:.0f} ms step"]
 
 
-def offloaded(row: dict) -> bool:
-    """The layout keeps something on the host: its optimizer, or some layers' activations."""
-    return bool(row.get("optimizer_offload") or row.get("activation_offload_layers"))
-
-
 def offload_lines(ranked: list[dict], rows: list[dict]) -> list[str]:
     """Which layouts only offload makes fit, and what it costs the best of them: its step against its twin's
     (the same layout with nothing on the host, which does not fit), what the host's part of each is."""
+    from .formats.plan_text import offloaded
+
     def twin_key(row: dict) -> tuple:
         return tuple(str(row.get(k)) for k in (*CHOICES, "dp", "pp_layers", "recompute_layers") if k not in OFFLOADS)
 

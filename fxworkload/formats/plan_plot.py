@@ -4,6 +4,7 @@ layout both faster and smaller), the best marked with its 90 % interval. matplot
 from __future__ import annotations
 
 from ..figures import png_bytes, pyplot
+from .plan_text import offloaded
 
 
 def pareto_front(ranked: list[dict]) -> list[dict]:
@@ -20,10 +21,9 @@ def plan_png(result: dict) -> bytes:
     plt = pyplot()
     ranked = result["ranked"]
     figure, axes = plt.subplots(figsize=(7.5, 5.5), dpi=120)
-    on_gpu = [r for r in ranked if not (r.get("optimizer_offload") or r.get("activation_offload_layers"))]
-    offloaded = [r for r in ranked if r.get("optimizer_offload") or r.get("activation_offload_layers")]
-    for rows, label, marker in ((on_gpu, "layouts that fit", "o"), (offloaded, "optimizer or activations on the host",
-                                                                      "x")):
+    on_gpu = [r for r in ranked if not offloaded(r)]
+    on_host = [r for r in ranked if offloaded(r)]
+    for rows, label, marker in ((on_gpu, "layouts that fit", "o"), (on_host, "optimizer or activations on the host", "x")):
         if rows:
             axes.scatter([r["peak_bytes"] / 2 ** 30 for r in rows], [r["step_ms"] / 1e3 for r in rows], s=9,
                          alpha=0.5, marker=marker, label=f"{label} ({len(rows):,})")

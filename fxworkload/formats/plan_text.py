@@ -8,6 +8,11 @@ from __future__ import annotations
 from tabulate import tabulate
 
 
+def offloaded(row: dict) -> bool:
+    """A plan row that keeps something on the host: its optimizer, or some layers' activations."""
+    return bool(row.get("optimizer_offload") or row.get("activation_offload_layers"))
+
+
 def plan_text(result: dict, top: int = 10) -> str:
     ranked = result["ranked"] if top <= 0 else result["ranked"][:top]
     several = "," in result["device"]
@@ -16,7 +21,7 @@ def plan_text(result: dict, top: int = 10) -> str:
              f"{r['step_ms']:.1f}", f"{100 * r['mfu']:.1f}%", f"{r['tflops_per_gpu']:.0f}",
              f"{r['tokens_per_s_per_gpu']:,.0f}", f"{100 * r['bubble']:.1f}%",
              f"{r['exposed_gather_ms']:.1f}" if r["zero"] == 3 else "-",
-             f"{r['peak_bytes'] / 2 ** 30:.1f}" + ("*" if r.get("optimizer_offload") or r.get("activation_offload_layers") else ""),
+             f"{r['peak_bytes'] / 2 ** 30:.1f}" + ("*" if offloaded(r) else ""),
              "~" if r.get("overlaps_best") else ""] for i, r in enumerate(ranked)]
     precision = f"{result['dtype']}{' + fp8 GEMMs' if result.get('fp8') else ''}"
     head = (f"{result['model']} on {result['gpus']} x {result['device']}, global batch {result['global_batch']} x seq "

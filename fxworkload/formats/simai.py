@@ -72,35 +72,31 @@ class SimaiWorkload:
     rows: list[SimaiRow]
 
 
-def from_rank(rank: RankWorkload, device=None) -> SimaiWorkload:
-    """``device``: the profile that times context-parallel exchanges (needed only with --cp > 1)."""
+def from_rank(rank: RankWorkload, device=None, cluster=None) -> SimaiWorkload:
+    """``device``: the profile that times context-parallel exchanges (needed only with --cp > 1); ``cluster``: the
+    step (cluster/step.py), whose waits on activation copies the rows fold in (--activation-offload-layers)."""
     p = rank.parallel
     header = {"model_parallel_NPU_group": p.tp, "ep": p.ep, "pp": p.pp, "vpp": p.vpp, "ga": p.micro_batches,
               "all_gpus": p.world, "checkpoints": 0, "checkpoint_initiates": 0, "pp_comm": rank.pp_comm_bytes}
-    waits = _copy_waits(rank, device)
+    waits = _copy_waits(rank, cluster)
     return SimaiWorkload(policy=POLICY, header=header,
                          rows=[row for unit in step_units(rank) for row in _rows(unit, p, device, waits)])
 
 
-def _copy_waits(rank: RankWorkload, device) -> dict[tuple[int, str], float]:
-    """--activation-offload-layers: (id of a unit, phase) -> what the pass waits there on activation copies
-    (cluster/activation_offload.py), folded into that unit's compute as the cluster step runs it: a layer's
-    forward wait on its first unit, its backward wait on its last (SimAI runs backward in reverse)."""
-    p = rank.parallel
-    if not p.activation_offload_layers:
+def _copy_waits(rank: RankWorkload, cluster) -> dict[tuple[int, str], float]:
+    """(id of a unit, phase) -> what the pass waits there on activation copies (cluster/activation_offload.py),
+    folded into that unit's compute as the cluster step runs it: a layer's forward wait on its first unit, its
+    backward wait on its last (SimAI runs backward in reverse)."""
+    if cluster is None or cluster.activation_copies is None:
         return {}
-    from ..cluster.step import activation_offload_pass
-
-    chunk = [u for u in rank.chunks[0] if u.block != "dp"]
-    layers, copies = activation_offload_pass(chunk, p, device)
     by_layer: dict[int, list[Unit]] = {}
-    for unit in chunk:
-        if unit.layer is not None:
+    for unit in rank.chunks[0]:
+        if unit.block != "dp" and unit.layer is not None:
             by_layer.setdefault(unit.layer, []).append(unit)
     waits = {}
-    for index, layer in enumerate(layers):
-        waits[id(by_layer[layer][0]), PHASES[0]] = copies.forward_waits_ns[index]
-        waits[id(by_layer[layer][-1]), PHASES[1]] = copies.backward_waits_ns[index]
+    for layer, units in by_layer.items():
+        waits[id(units[0]), PHASES[0]] = cluster.activation_wait_ns(layer, True)
+        waits[id(units[-1]), PHASES[1]] = cluster.activation_wait_ns(layer, False)
     return waits
 
 
