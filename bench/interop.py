@@ -61,6 +61,9 @@ LAYOUTS = {
     "llama-8b-full": ("llama-3-8b", 4096, 1, "bf16", Parallel(tp=2, pp=2, dp=2, sp=True, micro_batches=8, zero=1,
                                                             recompute="full")),
     "llama-8b-tp8": ("llama-3-8b", 8192, 1, "bf16", Parallel(tp=8, sp=True, micro_batches=4)),
+    # half the layers' activations on the host: the waits ride as compute in both files (cluster/activation_offload.py)
+    "llama-8b-offload": ("llama-3-8b", 8192, 1, "bf16", Parallel(tp=2, sp=True, dp=4, micro_batches=2, zero=1,
+                                                                activation_offload_layers=16)),
     "mixtral-ep2": ("mixtral-8x7b", 4096, 1, "bf16", Parallel(tp=2, pp=2, dp=2, ep=2, sp=True, micro_batches=4,
                                                              zero=1)),
     "llama-8b-cp-ring": ("llama-3-8b", 8192, 1, "bf16", Parallel(tp=2, cp=2, pp=2, sp=True, micro_batches=4, zero=1)),
@@ -114,10 +117,12 @@ def run_layout(name: str, folder: Path, simai_run: str, astra_run: str) -> dict:
                                                   parallel=replace(parallel, stage=stage))
         path = folder / f"stage{stage}.simai.txt"
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(simai.text(simai.from_rank(result.rank, result.device)))
+        path.write_text(simai.text(simai.from_rank(result.rank, result.device, result.cluster)))
         comp_us, total_us = run_simai(simai_run, path, parallel.world, result.device)
+        summary = result.cluster.devices[stage]
         ours_us = (parallel.micro_batches * sum(u.ns(ph) for u in result.rank.units for ph in PHASES)
-                   + result.cluster.devices[stage].zero3_copy_ns) / 1e3  # ZeRO 3: FSDP2's copies are compute too
+                   + summary.zero3_copy_ns + summary.offload_wait_ns) / 1e3  # FSDP2's copies and the waits on
+        # activation copies are compute in the files, as the step runs them
         compute_errors.append((comp_us / ours_us - 1, ours_us, comp_us))
         simai_totals.append(total_us)
     for file_name, content in chakra_files(cluster).items():
@@ -222,6 +227,7 @@ def _describe(p: Parallel, batch: int, seq: int) -> str:
     parts += [f"ep{p.ep}"] if p.ep > 1 else []
     parts += [f"zero{p.zero}"] if p.zero else []
     parts += [f"recompute {p.recompute}"] if p.recompute != "none" else []
+    parts += [f"{p.activation_offload_layers} layers' activations on the host"] if p.activation_offload_layers else []
     return " ".join(parts) + f", {p.micro_batches}x{batch}x{seq}"
 
 

@@ -87,6 +87,8 @@ def _copy_waits(rank: RankWorkload, cluster) -> dict[tuple[int, str], float]:
     """(id of a unit, phase) -> what the pass waits there on activation copies (cluster/activation_offload.py),
     folded into that unit's compute as the cluster step runs it: a layer's forward wait on its first unit, its
     backward wait on its last (SimAI runs backward in reverse)."""
+    if rank.parallel.activation_offload_layers and cluster is None:
+        raise ValueError("an offloading rank's SimAI rows need its cluster step: its waits on the copies are compute")
     if cluster is None or cluster.activation_copies is None:
         return {}
     by_layer: dict[int, list[Unit]] = {}
