@@ -273,7 +273,9 @@ def memory_summary_text(memory, device_name: str) -> str:
               f"{'es' if memory.micro_batches_in_flight > 1 else ''} in flight)",
               f"{memory.activations_bytes / gib:.3f}"],
              ["transient at the step's peak", f"{memory.transient_bytes / gib:.3f}"],
-             ["peak memory per rank", describe_fit(memory, device_name)]]
+             ["peak memory per rank", describe_fit(memory, device_name)],
+             *([["reserved by PyTorch's caching allocator (max_memory_reserved)",
+                 f"{memory.reserved_peak_bytes / gib:.3f}"]] if memory.reserved_peak_bytes else [])]
     return tabulate(lines, tablefmt="simple") + "\n"
 
 

@@ -48,6 +48,9 @@ class RankMemory:
     host_bytes: int = 0  # --optimizer-offload: the offloaded share's host copy, moments and pinned gradients;
     # --activation-offload-layers: the offloaded layers' saved activations, pinned
     host_capacity_bytes: int = 0  # the GPU's share of the host's memory; 0 where the profile has none
+    # total_peak_bytes and the segments PyTorch's caching allocator holds beyond it over the step
+    # (Workload.reserved_slack_bytes): what torch.cuda.max_memory_reserved reports, as torchtitan logs it
+    reserved_peak_bytes: int = 0
 
     @property
     def fits(self) -> bool | None:
@@ -99,9 +102,10 @@ def rank_memory(p: Parallel, rank_units: list, workload: Workload, dtype: str, g
     step_peak = workload.step_peak_bytes - dropped + regenerated_bytes if p.pp == 1 else (
         saved + transient + elements * grad_size)
     states, host = _offloaded(states, p.optimizer_offload, dtype, grad_size)
+    total = sum(states) + gathered + fp8_weights + activations + transient
     return RankMemory(parameters_bytes=states[0], gradients_bytes=states[1], optimizer_bytes=states[2],
                       activations_bytes=activations, transient_bytes=transient, step_peak_bytes=step_peak,
-                      total_peak_bytes=sum(states) + gathered + fp8_weights + activations + transient,
+                      total_peak_bytes=total, reserved_peak_bytes=total + workload.reserved_slack_bytes,
                       micro_batches_in_flight=in_flight, capacity_bytes=capacity_bytes, gathered_parameters_bytes=gathered,
                       fp8_weights_bytes=fp8_weights, host_bytes=host + offloaded,
                       host_capacity_bytes=host_capacity_bytes)

@@ -99,7 +99,7 @@ def to_data(entry: CachedStep) -> dict:
     return {"ops": ops, "rows": rows, "workload": workload, "seq": entry.seq, "facts": encode(entry.facts)}
 
 
-_WORKLOAD_FIELDS = ("parameter_count", "gradient_bytes", "step_peak_bytes", "activation_peak_bytes",
+_WORKLOAD_FIELDS = ("parameter_count", "gradient_bytes", "step_peak_bytes", "activation_peak_bytes", "reserved_slack_bytes",
                     "error_intervals", "fp8_weight_elements", "fp8_modules", "stack")
 
 
@@ -114,6 +114,7 @@ def from_data(data, facts_type: type) -> CachedStep:
     if set(fields) != set(_WORKLOAD_FIELDS):
         _fail("workload", "its fields differ from a table's")
     hints = {"parameter_count": int, "gradient_bytes": int, "step_peak_bytes": int, "activation_peak_bytes": int,
+             "reserved_slack_bytes": int,
              "error_intervals": dict[str, tuple[float, float]], "fp8_weight_elements": int,
              "fp8_modules": frozenset[str], "stack": str}
     workload = Workload(rows=rows, **{name: decode(fields[name], hints[name], f"workload.{name}") for name in hints})

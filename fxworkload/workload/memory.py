@@ -20,6 +20,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..capture.trace import FORWARD, Capture
+from .allocator import CachingAllocator
 from .fusion import Regions
 
 ALLOCATION_ROUNDING_BYTES = 512  # CUDACachingAllocator's kMinBlockSize: every block is a multiple of it
@@ -31,6 +32,12 @@ class ActivationMemory:
     step_peak_bytes: int  # highest live activations, temporaries and parameter gradients during the step
     activation_peak_bytes: int  # the same without the parameter gradients (kept in their own buffer)
     saved_total_bytes: int  # held from the end of forward until backward reads them
+    # PyTorch's caching allocator replayed over the step (allocator.py), the parameters first, then steps
+    # one after another, each freeing the last one's gradients first (``zero_grad(set_to_none=True)``):
+    # the highest reserved and allocated bytes of a later step, parameters and gradients included, as
+    # ``max_memory_reserved`` and ``max_memory_allocated`` report them
+    reserved_peak_bytes: int = 0
+    allocated_peak_bytes: int = 0
 
 
 def activation_memory(capture: Capture, keep: SavePolicy | None = None) -> ActivationMemory:
@@ -76,8 +83,44 @@ def activation_memory(capture: Capture, keep: SavePolicy | None = None) -> Activ
         node, nbytes = created[key]
         if capture.phase.get(node) == FORWARD:
             saved[node] = saved.get(node, 0) + nbytes
+    resident_bytes = [nbytes for node in nodes if node.op == "placeholder" for _, nbytes in _storages(node)]
+    reserved, allocated = replayed_peaks(resident_bytes, created, last_read, position, outputs)
     return ActivationMemory(saved_bytes=saved, step_peak_bytes=peak, activation_peak_bytes=activation_peak,
-                            saved_total_bytes=sum(saved.values()))
+                            saved_total_bytes=sum(saved.values()), reserved_peak_bytes=reserved,
+                            allocated_peak_bytes=allocated)
+
+
+STEPS_REPLAYED = 3  # the pool a step leaves is what the next one allocates from; by the third it repeats
+
+
+def replayed_peaks(resident_bytes: list[int], created: dict, last_read: dict, position: dict,
+                   kept: set) -> tuple[int, int]:
+    """(reserved, allocated) peaks of the last of STEPS_REPLAYED steps through the caching allocator:
+    the resident storages first, in the graph's order, then each step's storages made at their op and
+    freed after their last read; ``kept`` (the gradients and the loss) stay until the next step begins."""
+    allocator = CachingAllocator()
+    for nbytes in resident_bytes:
+        allocator.malloc(nbytes)
+    made: dict[int, list] = {}
+    freed: dict[int, list] = {}
+    for key, (node, nbytes) in created.items():
+        made.setdefault(position[node], []).append((key, nbytes))
+        if key not in kept:
+            freed.setdefault(last_read.get(key, position[node]), []).append(key)
+    held_over: list[int] = []
+    for _ in range(STEPS_REPLAYED):
+        for address in held_over:
+            allocator.free(address)
+        allocator.reset_peaks()
+        held_over, live = [], {}
+        for step in sorted(made.keys() | freed.keys()):
+            for key, nbytes in made.get(step, ()):
+                live[key] = allocator.malloc(nbytes)
+                if key in kept:
+                    held_over.append(live[key])
+            for key in freed.get(step, ()):
+                allocator.free(live.pop(key))
+    return allocator.peak_reserved_bytes, allocator.peak_allocated_bytes
 
 
 @dataclass(frozen=True)

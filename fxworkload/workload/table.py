@@ -111,6 +111,9 @@ class Workload:
     gradient_bytes: int
     step_peak_bytes: int = 0  # highest activations + temporaries + gradients live in one micro-batch's step
     activation_peak_bytes: int = 0  # the same without the parameter gradients
+    # what PyTorch's caching allocator holds beyond the step's allocated peak (segments it cannot reuse for
+    # a later request), from its rules replayed over the step (workload/allocator.py); reserved = allocated + this
+    reserved_slack_bytes: int = 0
     # per kernel family, the 90 % interval of measured / estimated on held-out kernels (the device's fit)
     error_intervals: dict = field(default_factory=dict)
     fp8_weight_elements: int = 0  # --fp8: the weights with FP8 copies (the decoder layers' linear layers)
@@ -122,11 +125,12 @@ class Workload:
 
     @classmethod
     def of_rows(cls, rows: list, grad_dtype: torch.dtype, step_peak_bytes: int = 0,
-                activation_peak_bytes: int = 0, stack: str = "eager") -> Workload:
+                activation_peak_bytes: int = 0, stack: str = "eager", reserved_slack_bytes: int = 0) -> Workload:
         """The table of these rows; its parameters are those its gradient rows hold."""
         elements = sum(r.elements for r in rows if isinstance(r, GradRow))
         return cls(rows=rows, parameter_count=elements, gradient_bytes=elements * grad_dtype.itemsize,
-                   step_peak_bytes=step_peak_bytes, activation_peak_bytes=activation_peak_bytes, stack=stack)
+                   step_peak_bytes=step_peak_bytes, activation_peak_bytes=activation_peak_bytes, stack=stack,
+                   reserved_slack_bytes=reserved_slack_bytes)
 
     @functools.cached_property
     def saved_bytes(self) -> int:
@@ -173,6 +177,7 @@ class Workload:
         out["gradient_bytes"] = self.gradient_bytes
         out["saved_activation_bytes"] = self.saved_bytes
         out["step_peak_bytes"] = self.step_peak_bytes
+        out["reserved_slack_bytes"] = self.reserved_slack_bytes
         out["activation_peak_bytes"] = self.activation_peak_bytes
         return out
 
@@ -221,7 +226,8 @@ def build(capture: Capture, model: torch.nn.Module, device: DeviceProfile | None
     for leftover in grad_rows.values():  # parameters no forward op of their module reads
         table.extend(leftover)
     return Workload.of_rows(table, grad_dtype, step_peak_bytes=memory.step_peak_bytes,
-                            activation_peak_bytes=memory.activation_peak_bytes, stack=stack)
+                            activation_peak_bytes=memory.activation_peak_bytes, stack=stack,
+                            reserved_slack_bytes=memory.reserved_peak_bytes - memory.allocated_peak_bytes)
 
 
 def _fused_costs(costs: dict, found: Regions, device: DeviceProfile | None) -> dict:
