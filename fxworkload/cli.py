@@ -22,6 +22,9 @@ DEFAULT_DEVICE = "a100-80gb"
 TOPOLOGY_HELP = ("the network, over the device profile's own: nvlink-domain, gpus-per-node, nics-per-node, nic-gbps, "
                  "nvlink-gbps, nvlink-sharp (on/off), leaf-gpus, oversubscription; e.g. nic-gbps=200,oversubscription=2,"
                  "leaf-gpus=256 (see docs/network.md)")
+CUDA_GRAPHS_HELP = ("replay from CUDA graphs: layers (each decoder layer's forward and backward captured apart: "
+                    "Megatron-Core's --enable-cuda-graph) or step (the whole forward and backward); the host issues one "
+                    "launch per graph instead of each op (default none: eager)")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -117,6 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--overlap-param-gather", action="store_true",
                       help="ZeRO 1/2 layouts overlap their parameter all-gathers with the next forward (Megatron-LM's "
                            "--overlap-param-gather, on in NeMo's recipes; default: after the optimizer)")
+    plan.add_argument("--cuda-graphs", choices=("none", "layers", "step"), default="none", help=CUDA_GRAPHS_HELP)
     plan.add_argument("--plot", action="store_true",
                       help="also write plan.png: every layout that fits, step time against peak memory, the Pareto "
                            "front and the best with its 90 %% interval (needs matplotlib)")
@@ -260,6 +264,7 @@ def _add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
                             "host memory in forward and back in backward, on one stream beside the compute "
                             "(Megatron-Core's --cpu-offloading --cpu-offloading-num-layers N, Transformer Engine's "
                             "schedule); needs a device with a host memory tier")
+    group.add_argument("--cuda-graphs", choices=("none", "layers", "step"), default="none", help=CUDA_GRAPHS_HELP)
     group.add_argument("--grad-reduce-after-backward", action="store_true",
                        help="start the gradients' data-parallel reduction when backward ends (Megatron-LM without "
                             "--overlap-grad-reduce; default: bucket by bucket during backward, as PyTorch DDP)")
@@ -281,7 +286,7 @@ def _parallel(args):
                     overlap_grad_reduce=not args.grad_reduce_after_backward,
                     overlap_param_gather=args.overlap_param_gather, tp_comm_overlap=args.tp_comm_overlap,
                     fp8_param_gather=args.fp8_param_gather, optimizer_offload=args.optimizer_offload,
-                    activation_offload_layers=args.activation_offload_layers)
+                    activation_offload_layers=args.activation_offload_layers, cuda_graphs=args.cuda_graphs)
 
 
 def _formats(text: str) -> list[str]:
@@ -469,7 +474,7 @@ def run_plan(args) -> int:
                   dtype=args.dtype, workers=args.workers, ray=args.ray, progress=True, stack=args.stack,
                   cp=_degrees(args.cp, "--cp"), fp8=args.fp8, topology=args.topology,
                   overlap_param_gather=args.overlap_param_gather, tp_comm_overlap=args.tp_comm_overlap,
-                  offload=args.offload)
+                  offload=args.offload, cuda_graphs=args.cuda_graphs)
     text = plan_text(result, args.top)
     out = args.out or Path("outputs") / f"{result['model']}-plan-{args.gpus}"
     files = {"plan.json": json.dumps(result, indent=1, sort_keys=True) + "\n", "plan.txt": text}
@@ -480,7 +485,7 @@ def run_plan(args) -> int:
     return _publish(out, text, files,
                     {k: result[k] for k in ("model", "gpus", "global_batch", "seq", "dtype", "fp8", "device", "stack",
                                             "cp", "topology", "overlap_param_gather", "tp_comm_overlap",
-                                            "optimizer_offload")
+                                            "optimizer_offload", "cuda_graphs")
                      if k in result})
 
 

@@ -38,6 +38,7 @@ from .parallel.context_parallel import with_context_parallel
 from .parallel.sequence_parallel import with_sequence_parallel
 from .progress import say as print_progress
 from .workload import cache as graph_cache
+from .workload.cuda_graphs import with_cuda_graphs
 from .workload.fp8 import check_fp8, check_recipe, with_fp8
 from .workload.stacks import check_stack
 from .workload.table import Workload, recost
@@ -263,6 +264,7 @@ def extract(model: str, batch: int = 1, seq: int | None = None, dtype: str = "fp
                                profile.kernel_launch_ns), parallel)
     if fp8:
         workload = captured = with_fp8(workload, profile, facts.stack, fp8_recipe)
+    workload = captured = with_cuda_graphs(workload, profile, parallel.cuda_graphs, facts.stack)
     if not rank_view:
         return CostedStep(facts=facts, workload=captured, device=profile, seq_per_rank=seq)
     captured_saved_bytes = workload.saved_bytes

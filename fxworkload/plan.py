@@ -72,6 +72,7 @@ class Run:
     overlap_param_gather: bool = False  # every ZeRO 1/2 layout overlaps its parameter gathers (Megatron-LM's flag)
     tp_comm_overlap: bool = False  # every layout with tp > 1 overlaps its blocks' TP collectives with their GEMMs
     offload: bool = False  # every ZeRO 1-3 layout is also tried with its optimizer on the host (cluster/offload.py)
+    cuda_graphs: str = "none"  # every layout replays its layers or its step from CUDA graphs (workload/cuda_graphs.py)
 
 
 @dataclass(frozen=True)
@@ -133,7 +134,7 @@ def candidate_layouts(run: Run, facts, gpus_per_node: int) -> tuple[dict, dict[s
                         vpp=vpp, vocab_multiple=vocab_multiple, pp_layers=pp_layers,
                         overlap_param_gather=run.overlap_param_gather and zero in (1, 2),
                         tp_comm_overlap=run.tp_comm_overlap and tp > 1, optimizer_offload=share,
-                        activation_offload_layers=layers))
+                        activation_offload_layers=layers, cuda_graphs=run.cuda_graphs))
     return groups, dropped
 
 
@@ -277,8 +278,9 @@ def _parts_ms(step) -> dict[str, float]:
     busiest = max(step.devices, key=lambda d: d.compute_ns)
     copies = exposed.get("zero3_copies", 0.0)  # FSDP2's copy kernels: on the compute stream, in compute_ns
     offload = exposed.get("activation_offload", 0.0)  # the passes' waits on activation copies: in compute_ns too
-    parts = {"compute": busiest.compute_ns + busiest.bucket_slowdown_ns - blocking - copies - offload,
-             "activation offload": offload, "tp": exposed["tp"],
+    host = exposed.get("host", 0.0)  # the GPU waiting on the host's dispatch: in compute_ns too
+    parts = {"compute": busiest.compute_ns + busiest.bucket_slowdown_ns - blocking - copies - offload - host,
+             "host": host, "activation offload": offload, "tp": exposed["tp"],
              "cp": exposed["cp"], "ep": exposed["ep"], "bubble": exposed["pp_bubble"], "dp": exposed["dp"],
              "zero gathers": exposed["zero_gather"] + exposed["zero3_gather"], "fsdp copies": copies,
              "optimizer": exposed["optimizer"]}
@@ -288,19 +290,23 @@ def _parts_ms(step) -> dict[str, float]:
 def plan(model: str, gpus: int, global_batch: int, seq: int, device: str = "h100-sxm", dtype: str = "bf16",
          workers: int | None = None, ray: str | None = None, progress: bool = False, stack: str = "eager",
          cp: tuple[int, ...] = (1,), fp8: bool = False, topology: str | None = None,
-         overlap_param_gather: bool = False, tp_comm_overlap: bool = False, offload: bool = False) -> dict:
+         overlap_param_gather: bool = False, tp_comm_overlap: bool = False, offload: bool = False,
+         cuda_graphs: str = "none") -> dict:
     """``device``: one profile name or several, comma-separated (every layout is evaluated on each);
     ``cp``: the context-parallel degrees to search; ``fp8``: every layout trains in FP8 (workload/fp8.py);
     ``topology``: ``--topology key=value,...`` over each device's own network (cost/topology.py);
     ``overlap_param_gather``: ZeRO 1/2 layouts overlap their parameter gathers with the next forward;
     ``tp_comm_overlap``: layouts with tp > 1 overlap their blocks' TP collectives with the GEMMs;
-    ``offload``: every ZeRO layout is also tried with its optimizer stepped on the host (cluster/offload.py)."""
+    ``offload``: every ZeRO layout is also tried with its optimizer stepped on the host (cluster/offload.py);
+    ``cuda_graphs``: none, layers or step: what every layout replays from CUDA graphs (workload/cuda_graphs.py)."""
+    from .parallel.layout import Parallel, check_values
     from .workload.stacks import check_stack
 
     check_plan_counts(gpus, global_batch)
     check_stack(stack)
+    check_values(Parallel(cuda_graphs=cuda_graphs))
     run = Run(model, gpus, global_batch, seq, dtype, stack, check_cp_degrees(cp), fp8, overlap_param_gather,
-              tp_comm_overlap, offload)
+              tp_comm_overlap, offload, cuda_graphs)
     system = System(tuple(_plan_device(name, fp8, dtype, topology) for name in _device_names(device)), topology)
     if offload:
         from .cluster.offload import check_host_tier
@@ -318,7 +324,8 @@ def plan(model: str, gpus: int, global_batch: int, seq: int, device: str = "h100
         result = _plan(run, system, workers, ray, progress, early)
     return result | ({"topology": topology} if topology else {}) | (
         {"overlap_param_gather": True} if overlap_param_gather else {}) | (
-        {"tp_comm_overlap": True} if tp_comm_overlap else {}) | ({"optimizer_offload": True} if offload else {})
+        {"tp_comm_overlap": True} if tp_comm_overlap else {}) | ({"optimizer_offload": True} if offload else {}) | (
+        {"cuda_graphs": cuda_graphs} if cuda_graphs != "none" else {})
 
 
 def _plan(run: Run, system: System, workers, ray, progress, early) -> dict:
@@ -409,7 +416,7 @@ def _difference(best: dict, other: dict, choice: str) -> str:
 
 def fsdp_lines(ranked: list[dict]) -> list[str]:
     """What FSDP costs the fastest ZeRO 3 layout (FSDP2 as cluster/zero3.py runs it): the compute waiting for
-    parameter gathers, and the copy kernels on the compute stream, against its step."""
+    parameter gathers, the copy kernels on the compute stream and the GPU waiting on the host, against its step."""
     best = next((r for r in ranked if r.get("zero") == 3), None)
     if best is None:
         return []
@@ -417,8 +424,8 @@ def fsdp_lines(ranked: list[dict]) -> list[str]:
     parts = best["parts_ms"]
     return [f"fsdp: the best ZeRO 3 layout (#{rank}: tp {best['tp']} cp {best['cp']} pp {best['pp']} dp {best['dp']}, "
             f"recompute {best['recompute']}, mbs {best['micro_batch']}) waits {parts['zero gathers']:.0f} ms for "
-            f"parameter gathers and spends {parts.get('fsdp copies', 0.0):.0f} ms in FSDP2's copy kernels of its "
-            f"{best['step_ms']:.0f} ms step"]
+            f"parameter gathers, spends {parts.get('fsdp copies', 0.0):.0f} ms in FSDP2's copy kernels and "
+            f"{parts.get('host', 0.0):.0f} ms waiting on the host's dispatch of its {best['step_ms']:.0f} ms step"]
 
 
 def offload_lines(ranked: list[dict], rows: list[dict]) -> list[str]:

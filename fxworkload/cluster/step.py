@@ -60,6 +60,7 @@ class DeviceSummary:
     zero3_copy_ns: float = 0.0  # ZeRO 3: FSDP2's copy kernels on the compute stream, every pass of the step
     bucket_slowdown_ns: float = 0.0  # backward compute lost to the SMs overlapped gradient buckets' NCCL kernels held
     offload_wait_ns: float = 0.0  # --activation-offload-layers: compute waiting on the copies, every micro-batch
+    host_wait_ns: float = 0.0  # the GPU waiting on the host's dispatch of eager ops (in compute_ns), every micro-batch
 
 
 @dataclass
@@ -232,7 +233,10 @@ def cluster_step(facts: ModelFacts, workload: Workload, model_workload: Workload
                                      zero3_gather_ns=zero3[d], zero3_exposed_gather_ns=zero3_exposed[d],
                                      zero3_copy_ns=zero3_copies[d], bucket_slowdown_ns=slowed[d],
                                      offload_wait_ns=p.micro_batches * (offloaded.forward_wait_ns +
-                                                                        offloaded.backward_wait_ns) if offloaded else 0.0))
+                                                                        offloaded.backward_wait_ns) if offloaded else 0.0,
+                                     host_wait_ns=p.micro_batches * sum(
+                                         (u.host_wait_ns or {}).get(ph, 0.0) for chunk in layouts[d][0] for u in chunk
+                                         for ph in (FORWARD, INPUT_GRAD, WEIGHT_GRAD))))
     slowest = max(devices, key=lambda x: x.end_ns)
     busiest = max(devices, key=lambda x: x.compute_ns)
     pipeline_ns = max(x.pipeline_end_ns for x in devices)
@@ -246,6 +250,7 @@ def cluster_step(facts: ModelFacts, workload: Workload, model_workload: Workload
                "zero3_copies": slowest.zero3_copy_ns,
                "dp_bucket_slowdown": slowest.bucket_slowdown_ns,
                "activation_offload": slowest.offload_wait_ns,
+               "host": slowest.host_wait_ns,  # inside the compute: the GPU idle while the host issues ops
                "optimizer": slowest.optimizer_ns}
     ranks_per_stage = p.tp * p.replicas
     model_flops = sum(f[0] for f in flops) * micro * ranks_per_stage

@@ -90,6 +90,10 @@ class GpuModel:
     # and for each output past the first (native_layer_norm's mean and rstd, dropout's mask): the
     # caching allocator's call and the tensor's construction on the host
     host_output_ns: float = 5000.0
+    # Host time of one CUDA graph replay (cudaGraphLaunch from torch.cuda.CUDAGraph.replay): measured on the
+    # lent H100's host, GPT-2's whole training step (batch 1, seq 128, ~900 kernels) replayed: 0.051 ms
+    # (bench/gpu_graphs.py, bench/data/lent-gpus/h100/graphs/graphs.json)
+    host_graph_launch_ns: float = 51000.0
     attention_kernel_ns: float = 10000.0
     cudnn_forward_efficiency: float = 0.45
     cudnn_backward_efficiency: float = 0.35

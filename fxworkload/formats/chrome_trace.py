@@ -149,7 +149,7 @@ class _Timeline:
         self.events: list[dict] = []
 
     def compute(self, unit: Unit, phase: str, micro_batch: int) -> None:
-        duration = unit.ns(phase)
+        duration = unit.pass_ns(phase)
         if duration > 0:
             self._span(f"{unit.name} {phase}", "compute", COMPUTE, self.now_ns, duration, micro_batch=micro_batch)
             self.now_ns += duration

@@ -140,7 +140,7 @@ def _rows(unit: Unit, p, device, waits: dict | None = None) -> list[SimaiRow]:
     name = EMBEDDING_ROW if unit.block == EMBEDDING else unit.name
     rows = []
     for k in range(max(1, *(len(c) for c in comms))):
-        times = [round(unit.ns(phase) + extra) if k == 0 else 0 for phase, extra in zip(PHASES, folded)]
+        times = [round(unit.pass_ns(phase) + extra) if k == 0 else 0 for phase, extra in zip(PHASES, folded)]
         cells = [_cell(c[k] if k < len(c) else None) for c in comms]
         rows.append(SimaiRow(name if k == 0 else f"{unit.name}_comm{k}",
                              *(x for t, (kind, size) in zip(times, cells) for x in (t, kind, size))))

@@ -230,6 +230,8 @@ def cluster_summary_text(cluster, fp8: bool = False) -> str:
               f"{exposed.get('dp_bucket_slowdown', 0.0) / 1e6:.3f}"],
              *([["ZeRO 3 copy kernels ms (FSDP2's copy-out after each gather, copy-in before each reduce-scatter)",
                  f"{exposed['zero3_copies'] / 1e6:.3f}"]] if exposed.get("zero3_copies") else []),
+             *([["GPU waiting on the host's dispatch of eager ops ms (in the compute; --cuda-graphs removes it)",
+                 f"{exposed['host'] / 1e6:.3f}"]] if exposed.get("host") else []),
              *([["exposed ms: activation copies to and from the host (compute waiting on them)",
                  f"{exposed['activation_offload'] / 1e6:.3f}"]] if exposed.get("activation_offload") else []),
              ["optimizer step ms (Adam, memory-bound)", f"{exposed['optimizer'] / 1e6:.3f}"],

@@ -50,6 +50,9 @@ class Parallel:
     # the saved activations of the rank's first N decoder layers copied to host memory in forward and back
     # in backward (Megatron-Core's --cpu-offloading --cpu-offloading-num-layers N: cluster/activation_offload.py)
     activation_offload_layers: int = 0
+    # CUDA graphs: none, each decoder layer's forward and backward captured apart (Megatron-Core's
+    # --enable-cuda-graph, Transformer Engine's make_graphed_callables), or the whole step (workload/cuda_graphs.py)
+    cuda_graphs: str = "none"
 
     @property
     def world(self) -> int:
@@ -116,6 +119,9 @@ def check_values(parallel: Parallel) -> None:
                         "work when activation recomputation is enabled'")
     if p.fp8_param_gather and p.zero == 0:
         raise UserError("--fp8-param-gather moves ZeRO's parameter all-gathers in FP8: it needs --zero 1, 2 or 3")
+    if p.cuda_graphs not in ("none", "layers", "step"):
+        raise UserError(f"unknown --cuda-graphs {p.cuda_graphs!r}: use none, layers (each decoder layer captured "
+                        "apart, Megatron-Core's) or step (the whole forward and backward as one graph)")
     if p.cp_comm not in CP_COMMS:
         raise UserError(f"unknown --cp-comm {p.cp_comm!r}: use p2p (Megatron-Core's ring) or allgather (Llama 3's)")
     if p.cp > 1 and p.ep > 1:

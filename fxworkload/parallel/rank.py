@@ -107,10 +107,11 @@ def split_once(facts: ModelFacts, workload: Workload) -> list[Unit]:
 def _split_with_costs(facts: ModelFacts, workload: Workload) -> list[Unit]:
     units = split(workload, facts.stack, list(facts.row_parallel))
     for u in units:
-        u.costs, u.core_ns = {}, {}
+        u.costs, u.core_ns, u.host_wait_ns = {}, {}, {}
         for ph in (FORWARD, INPUT_GRAD, WEIGHT_GRAD):
             ops = u.ops(ph)
-            u.costs[ph] = (sum(op.estimated_ns for op in ops), sum(op.flops for op in ops))
+            u.costs[ph] = (u.pass_ns(ph), sum(op.flops for op in ops))  # the host's pace where it is the slower
+            u.host_wait_ns[ph] = u.host_wait(ph)
             u.core_ns[ph] = sum(op.estimated_ns for op in ops if op.sdpa_backend)
         u.saved_bytes = sum(row.saved_bytes for row in u.rows)
     return units

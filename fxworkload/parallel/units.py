@@ -48,6 +48,7 @@ class Unit:
     comms: dict[str, list[Comm]] = field(default_factory=lambda: {phase: [] for phase in PHASES})
     costs: dict[str, tuple[float, int]] | None = None  # phase -> (ns, flops), summed once for a layout search
     core_ns: dict[str, float] | None = None  # phase -> its attention core's time (what CP's ring overlaps)
+    host_wait_ns: dict[str, float] | None = None  # phase -> what the GPU waits on the host's dispatch (in costs)
     saved_bytes: int | None = None  # its rows' saved activations, summed once with ``costs``
 
     def saved(self) -> int:
@@ -57,7 +58,19 @@ class Unit:
         return [op for row in self.rows for op in row.ops(phase)]
 
     def ns(self, phase: str) -> float:
+        """Its kernels' time in ``phase``."""
         return sum(op.estimated_ns for op in self.ops(phase))
+
+    def pass_ns(self, phase: str) -> float:
+        """The pass's time: its kernels, or the host's dispatch of its eager ops where that is longer (small
+        shapes without CUDA graphs): the GPU waits on the host, as the micro-batch's two streams do."""
+        ops = self.ops(phase)
+        return max(sum(op.estimated_ns for op in ops), sum(op.dispatch_ns for op in ops))
+
+    def host_wait(self, phase: str) -> float:
+        """What the pass's GPU waits on the host (in ``ns``)."""
+        ops = self.ops(phase)
+        return max(sum(op.dispatch_ns for op in ops) - sum(op.estimated_ns for op in ops), 0.0)
 
     def flops(self, phase: str) -> int:
         return sum(op.flops for op in self.ops(phase))

@@ -49,6 +49,7 @@ class OpCost:
     fused: bool = False  # runs inside another op's fused kernel, whose flops, bytes and time hold it
     gemm_dtype: str = ""  # a GEMM run in another dtype than its tensors' (--fp8: "fp8"); "" = theirs
     gemm_padded: bool = False  # --stack compiled: padded to aligned shapes where inductor's pad_mm would
+    graphed: bool = False  # --cuda-graphs: replayed from a CUDA graph, no host dispatch of its own (cuda_graphs.py)
 
 
 @dataclass
@@ -281,7 +282,7 @@ def op_estimate_ns(op: OpCost, device: DeviceProfile) -> float:
 
 def op_dispatch_ns(op: OpCost, device: DeviceProfile) -> float:
     """Host time of an op that launches a kernel, on a GPU profile; views and CPU profiles: 0."""
-    if not device.sm_count or op.kind == flop_rules.VIEW or (op.flops == 0 and op.bytes == 0):
+    if not device.sm_count or op.graphed or op.kind == flop_rules.VIEW or (op.flops == 0 and op.bytes == 0):
         return 0.0
     model = device.gpu_model()
     return model.host_dispatch_ns + model.host_output_ns * max(len(op.output_shapes) - 1, 0)

@@ -30,6 +30,12 @@ def _run(tmp_path, *args):
     return code, out
 
 
+
+def _pass_ns(unit, phase: str) -> float:
+    """A unit's pass as the cluster step takes it: its kernels, or its ops' host dispatch where that is longer."""
+    ops = unit.ops(phase)
+    return max(sum(op.estimated_ns for op in ops), sum(op.dispatch_ns for op in ops))
+
 def test_simai_file_round_trips_and_matches_the_rank(tiny_dirs, tmp_path, capsys):
     code, out = _run(tmp_path, str(tiny_dirs["mixtral"]), "--batch", "2", "--seq", "16", "--format", "simai",
                      "--stage", "1", *PARALLEL_ARGS)
@@ -48,8 +54,8 @@ def test_simai_file_round_trips_and_matches_the_rank(tiny_dirs, tmp_path, capsys
     assert document == from_rank(result.rank)
     units = [u for u in result.rank.units if u.block != "dp"]
     # SimAI runs the rows once (Workload.cc): the rank's units are written once per micro-batch
-    assert [r.name for r in document.rows if r.forward_ns] == 3 * [u.name for u in units if round(u.ns(FORWARD))]
-    assert sum(r.forward_ns for r in document.rows) == 3 * sum(round(u.ns(FORWARD)) for u in units)
+    assert [r.name for r in document.rows if r.forward_ns] == 3 * [u.name for u in units if round(_pass_ns(u, FORWARD))]
+    assert sum(r.forward_ns for r in document.rows) == 3 * sum(round(_pass_ns(u, FORWARD)) for u in units)
     sizes = sorted(r.forward_comm_bytes for r in document.rows if r.forward_comm == "ALLTOALL_EP")
     assert sizes == [2 * 16 // 2 * 2 * 64 * 4] * 2 * 3  # one MoE layer on stage 1: dispatch and combine, 3 times
     assert {r.weight_grad_comm for r in document.rows} >= {"REDUCESCATTER", "ALLGATHER", "REDUCESCATTER_DP_EP"}
@@ -93,7 +99,10 @@ def test_simai_runs_every_micro_batch_of_the_step_and_each_gradient_bucket_once(
     result = extract(str(tiny_dirs["gpt2"]), batch=2, seq=16, parallel=Parallel(dp=2, micro_batches=3))
     rows = from_rank(result.rank).rows
     simai_compute = sum(r.forward_ns + r.input_grad_ns + r.weight_grad_ns for r in rows)
-    table = sum(result.totals[f"{phase}_estimated_ns"] for phase in PHASES)  # the per-node table, one micro-batch
+    # one micro-batch: each unit's pass, its kernels or its ops' host dispatch where longer (this tiny model is
+    # host-bound), by hand from the per-node table's ops
+    table = sum(_pass_ns(u, phase) for u in result.rank.units for phase in PHASES)
+    assert table >= sum(result.totals[f"{phase}_estimated_ns"] for phase in PHASES)
     assert simai_compute == pytest.approx(3 * table, abs=len(rows))  # integer ns per row
     assert [r.name for r in rows].count("embedding_layer") == 3
     reduced = [r for r in rows if r.weight_grad_comm != "NONE"]
@@ -121,8 +130,10 @@ def test_simai_bubble_is_megatrons_with_the_rows_repeated(tiny_dirs):
     rows = [r for r in document.rows if r.name != "embedding_layer"]
     bubble = sum(r.forward_ns + r.input_grad_ns + r.weight_grad_ns for r in rows) * (2 - 1) / (4 * 2)
     stack = result.facts.stack
-    per_micro_batch = sum(op.estimated_ns for row in result.workload.node_rows if layer_of(row.module, stack) in (0, 2)
-                          for phase in PHASES for op in row.ops(phase))
+    assert {u.layer for u in result.rank.units if u.layer is not None} == {0, 2}
+    per_micro_batch = sum(_pass_ns(u, phase) for u in result.rank.units if u.layer in (0, 2) for phase in PHASES)
+    assert sum(op.estimated_ns for row in result.workload.node_rows if layer_of(row.module, stack) in (0, 2)
+               for phase in PHASES for op in row.ops(phase)) <= per_micro_batch
     assert bubble == pytest.approx((2 - 1) / 2 * per_micro_batch, abs=len(rows))
 
 
@@ -144,7 +155,7 @@ def test_chrome_trace_lays_out_every_unit_and_collective(tiny_dirs, tmp_path):
                      parallel=Parallel(tp=2, dp=2, micro_batches=2))
     units = [u for u in result.rank.units if u.block != "dp"]
     compute_us = sum(e["dur"] for e in spans if e["cat"] == "compute" and e["name"] != "optimizer step (Adam)")
-    assert compute_us == pytest.approx(2 * sum(u.ns(p) for u in units for p in PHASES) / 1e3, abs=1e-3 * len(spans))
+    assert compute_us == pytest.approx(2 * sum(_pass_ns(u, p) for u in units for p in PHASES) / 1e3, abs=1e-3 * len(spans))
     tp_spans = [e for e in spans if e["cat"] == "comm" and e["tid"] == 1]
     assert len(tp_spans) == 2 * sum(len(u.comms[FORWARD]) + len(u.comms[INPUT_GRAD]) for u in units)
     dp = [c for u in result.rank.units for c in u.comms[WEIGHT_GRAD]]
@@ -317,7 +328,7 @@ def test_overlapped_tp_collectives_are_folded_into_simai_compute(tiny_dirs):
         row = rows[unit.name]
         assert (row.forward_comm, row.input_grad_comm) == ("NONE", "NONE")
         exposed = exposed_comms_ns(unit, FORWARD, p, result.device)["tp"]
-        assert row.forward_ns == round(unit.ns(FORWARD) + exposed)
+        assert row.forward_ns == round(_pass_ns(unit, FORWARD) + exposed)
     assert rows["head"].forward_comm != "NONE"  # the head's vocabulary-parallel collectives stay blocking
 
 

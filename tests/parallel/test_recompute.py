@@ -64,7 +64,14 @@ def test_recompute_layers_takes_the_first_of_each_stage_and_shows_in_the_simai_f
                if len(a.input_grad) != len(b.input_grad)}
     assert changed == {0, 2}  # the first layer of stage 0 (layers 0-1) and of stage 1 (layers 2-3)
     rows = {layer: _layer_rows(plain, {layer}) for layer in (2, 3)}
-    added = sum(round(r.forward.estimated_ns) for r in rows[2])
+
+    def backward_pass(result, layer):  # a unit's pass: its kernels, or its ops' host dispatch where longer
+        return sum(max(sum(op.estimated_ns for op in u.ops(INPUT_GRAD)), sum(op.dispatch_ns for op in u.ops(INPUT_GRAD)))
+                   for u in result.rank.units if u.layer == layer)
+
+    added = backward_pass(some, 2) - backward_pass(plain, 2)
+    assert added > 0 and backward_pass(some, 3) == backward_pass(plain, 3)
+    assert sum(r.forward.estimated_ns for r in rows[2]) > 0
     before = sum(r.input_grad_ns for r in simai.from_rank(plain.rank).rows)
     after = sum(r.input_grad_ns for r in simai.from_rank(some.rank).rows)
     assert after - before == pytest.approx(added, abs=len(rows[2]) + 2)  # rounding to whole ns per unit
