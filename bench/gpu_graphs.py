@@ -18,6 +18,7 @@ and over a later step (the steady state, the pool kept from before), with the se
 
     python bench/gpu_graphs.py OUT_DIR        # writes OUT_DIR/graphs.json and OUT_DIR/reserved.json
     python bench/gpu_graphs.py OUT_DIR reserved=2   # case 2 alone: OUT_DIR/reserved-2.json
+    python bench/gpu_graphs.py OUT_DIR compile      # torch.compile default and reduce-overhead: OUT_DIR/compiled.json
 """
 
 from __future__ import annotations
@@ -159,6 +160,32 @@ def graphs() -> list[dict]:
     return rows
 
 
+def compiled_pairs() -> list[dict]:
+    """GPT-2 under torch.compile, default mode against mode="reduce-overhead" (inductor's CUDA graph trees
+    over the compiled forward and backward), each step marked to cudagraph trees as a new one."""
+    rows = []
+    for batch, seq in ((1, 128), (8, 1024)):
+        row = {"capture": "compile", "model": "gpt2", "batch": batch, "seq": seq, "dtype": "bf16"}
+        try:
+            for key, mode in (("compiled_ms", "default"), ("reduce_overhead_ms", "reduce-overhead")):
+                torch._dynamo.reset()
+                model, ids = gpt2(batch, seq)
+                compiled = torch.compile(model, mode=mode)
+
+                def step():
+                    torch.compiler.cudagraph_mark_step_begin()
+                    compiled.zero_grad(set_to_none=True)
+                    compiled(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+                row[key] = round(Clock(torch.device("cuda")).median_ns(step, repeat=REPEAT, warmup=6) / 1e6, 3)
+                del model, compiled
+                torch.cuda.empty_cache()
+        except Exception as exc:
+            row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
 def reserved_case(folder: Path, batch: int, seq: int, dtype: str) -> dict:
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
@@ -220,6 +247,8 @@ def main() -> int:
             (out / f"reserved-{index}.json").write_text(json.dumps({**facts, "cases": reserved(index)}, indent=1) + "\n")
     if "reserved" in what:
         (out / "reserved.json").write_text(json.dumps({**facts, "cases": reserved()}, indent=1) + "\n")
+    if "compile" in what:
+        (out / "compiled.json").write_text(json.dumps({**facts, "rows": compiled_pairs()}, indent=1) + "\n")
     if "graphs" in what:
         (out / "graphs.json").write_text(json.dumps({**facts, "rows": graphs()}, indent=1) + "\n")
     return 0
