@@ -17,6 +17,7 @@ from pathlib import Path
 
 from .errors import (Refused, Terminated, UserError, clear_signalled, exit_status, install, restore, signalled, stop,
                      stop_message)
+from .parallel.layout import CUDA_GRAPH_SCOPES
 
 DEFAULT_DEVICE = "a100-80gb"
 TOPOLOGY_HELP = ("the network, over the device profile's own: nvlink-domain, gpus-per-node, nics-per-node, nic-gbps, "
@@ -120,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--overlap-param-gather", action="store_true",
                       help="ZeRO 1/2 layouts overlap their parameter all-gathers with the next forward (Megatron-LM's "
                            "--overlap-param-gather, on in NeMo's recipes; default: after the optimizer)")
-    plan.add_argument("--cuda-graphs", choices=("none", "layers", "step"), default="none", help=CUDA_GRAPHS_HELP)
+    plan.add_argument("--cuda-graphs", choices=CUDA_GRAPH_SCOPES, default="none", help=CUDA_GRAPHS_HELP)
     plan.add_argument("--plot", action="store_true",
                       help="also write plan.png: every layout that fits, step time against peak memory, the Pareto "
                            "front and the best with its 90 %% interval (needs matplotlib)")
@@ -264,7 +265,7 @@ def _add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
                             "host memory in forward and back in backward, on one stream beside the compute "
                             "(Megatron-Core's --cpu-offloading --cpu-offloading-num-layers N, Transformer Engine's "
                             "schedule); needs a device with a host memory tier")
-    group.add_argument("--cuda-graphs", choices=("none", "layers", "step"), default="none", help=CUDA_GRAPHS_HELP)
+    group.add_argument("--cuda-graphs", choices=CUDA_GRAPH_SCOPES, default="none", help=CUDA_GRAPHS_HELP)
     group.add_argument("--grad-reduce-after-backward", action="store_true",
                        help="start the gradients' data-parallel reduction when backward ends (Megatron-LM without "
                             "--overlap-grad-reduce; default: bucket by bucket during backward, as PyTorch DDP)")

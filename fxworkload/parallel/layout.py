@@ -8,6 +8,9 @@ from ..errors import UserError
 from ..limits import MAX_BUCKET_MB, MAX_MICRO_BATCHES, MAX_VOCAB_MULTIPLE, MAX_WORLD
 
 
+CUDA_GRAPH_SCOPES = ("none", "layers", "step")  # --cuda-graphs: eager, per decoder layer, the whole step
+
+
 @dataclass(frozen=True)
 class Parallel:
     dp: int = 1  # data-parallel replicas
@@ -52,7 +55,7 @@ class Parallel:
     activation_offload_layers: int = 0
     # CUDA graphs: none, each decoder layer's forward and backward captured apart (Megatron-Core's
     # --enable-cuda-graph, Transformer Engine's make_graphed_callables), or the whole step (workload/cuda_graphs.py)
-    cuda_graphs: str = "none"
+    cuda_graphs: str = "none"  # one of CUDA_GRAPH_SCOPES
 
     @property
     def world(self) -> int:
@@ -119,7 +122,7 @@ def check_values(parallel: Parallel) -> None:
                         "work when activation recomputation is enabled'")
     if p.fp8_param_gather and p.zero == 0:
         raise UserError("--fp8-param-gather moves ZeRO's parameter all-gathers in FP8: it needs --zero 1, 2 or 3")
-    if p.cuda_graphs not in ("none", "layers", "step"):
+    if p.cuda_graphs not in CUDA_GRAPH_SCOPES:
         raise UserError(f"unknown --cuda-graphs {p.cuda_graphs!r}: use none, layers (each decoder layer captured "
                         "apart, Megatron-Core's) or step (the whole forward and backward as one graph)")
     if p.cp_comm not in CP_COMMS:

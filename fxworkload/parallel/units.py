@@ -68,9 +68,8 @@ class Unit:
         return max(sum(op.estimated_ns for op in ops), sum(op.dispatch_ns for op in ops))
 
     def host_wait(self, phase: str) -> float:
-        """What the pass's GPU waits on the host (in ``ns``)."""
-        ops = self.ops(phase)
-        return max(sum(op.dispatch_ns for op in ops) - sum(op.estimated_ns for op in ops), 0.0)
+        """What the pass's GPU waits on the host (in ``pass_ns``)."""
+        return self.pass_ns(phase) - self.ns(phase)
 
     def flops(self, phase: str) -> int:
         return sum(op.flops for op in self.ops(phase))

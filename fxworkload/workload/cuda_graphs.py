@@ -24,8 +24,6 @@ from ..cost.devices import DeviceProfile
 from .layers import layer_of
 from .table import NodeRow, Workload, timed
 
-SCOPES = ("none", "layers", "step")
-
 
 def with_cuda_graphs(workload: Workload, device: DeviceProfile, scope: str, layer_stack: str | None) -> Workload:
     """The table with the ops ``scope`` captures replayed from graphs (re-timed on ``device``)."""
