@@ -21,6 +21,7 @@ import random
 import statistics
 import sys
 from collections import defaultdict
+from dataclasses import replace
 from pathlib import Path
 
 from tabulate import tabulate
@@ -79,12 +80,21 @@ def main() -> int:
         return 2
     if args.write_fit:
         model = kernels.fit(samples, device)
+        flash_from_paper = not any(s.group.startswith("flash") for s in samples)
+        if flash_from_paper:  # no flash kernel measured (an H100 runs cuDNN): FlashAttention-2's published speeds
+            sys.path.insert(0, str(Path(__file__).resolve().parent))
+            import attention  # bench/attention.py
+
+            model = replace(model, **attention.fit_flash(kernels.with_model(device, model)))
         train, test = _halves(samples)
         intervals = kernels.error_intervals(test, kernels.with_model(device, kernels.fit(train, device)))
         path = FIT_DIR / f"{args.device}.json"
         path.write_text(json.dumps({"source": f"fitted by bench/kernels.py --write-fit on every row of {args.data_dir.name}/ "
                                               "(gemm.csv, sdpa.csv, vector.csv: kernels measured on one H100 80GB HBM3, "
-                                              "PyTorch 2.11+cu130, shared/gpu-kernels/README.md)",
+                                              "PyTorch 2.11+cu130, shared/gpu-kernels/README.md)" + (
+                                                  "; flash_forward/backward_efficiency on FlashAttention-2's H100 speeds "
+                                                  "in the FlashAttention-3 paper (bench/attention.py --fit)"
+                                                  if flash_from_paper else ""),
                                     "parameters": model.as_dict(),
                                     "host": "host_dispatch_ns and host_output_ns are the host CPU's beside the "
                                             "measured H100 (back-to-back eager calls; its CPU model is not recorded "

@@ -91,7 +91,12 @@ NEMO_FP8 = {"Llama 3 70B FP8 H100": ("llama-3-70b", 80, "h100-sxm", 64, 4, 8, 1,
             "Llama 3.1 405B FP8 B200": ("405b", 126, "b200", 128, 4, 8, 2, 8, 64, (15, *[16] * 6, 15), 661)}
 # torchtitan's benchmarks/llama3_h100_202412_torchtitan.md (PyTorch-native: FSDP2, torch.compile, torchao Float8,
 # AsyncTP; Grand Teton H100s with 96 GB of HBM2e at their default 500 W: the h100-sxm-96gb profile). Held out:
-# nothing is fitted on these.
+# nothing is fitted on these. Their PyTorch (nightlies of December 2024) ran SDPA's flash kernel (FlashAttention-2):
+# cuDNN attention was opt-in from 2.5.1 (pytorch/pytorch#138522) until torch 2.10's cuDNN 9.15 put it first, and
+# pytorch/pytorch#142132 shows the nightly of 2024-12-04 taking flash on an H100; with context parallelism
+# torchtitan enables flash and efficient only (torchtitan/distributed/utils.py, get_train_context).
+TORCHTITAN_SDPA = ("flash", "efficient", "math")
+TORCHTITAN_CP_SDPA = ("flash", "efficient")
 # name: (model, dp (FSDP), tp, local batch, seq, recompute, stack, fp8 recipe or None, AsyncTP,
 #        published tokens/s per GPU, published peak memory GiB (torch.cuda.max_memory_reserved) or None)
 TORCHTITAN = {
@@ -215,7 +220,7 @@ def torchtitan_row(name: str, root: Path) -> list:
     model = config if config != "405b" else str(_llama_405b(root))
     parallel = Parallel(dp=dp, tp=tp, sp=tp > 1, zero=3, recompute=recompute, tp_comm_overlap=async_tp)
     run = extract(model, batch=batch, seq=seq, dtype="bf16", grad_dtype="fp32", device="h100-sxm-96gb", stack=stack,
-                  fp8=recipe is not None, fp8_recipe=recipe or "te", parallel=parallel)
+                  fp8=recipe is not None, fp8_recipe=recipe or "te", parallel=parallel, sdpa_backends=TORCHTITAN_SDPA)
     ours = run.cluster.tokens_per_s_per_gpu
     memory = run.memory.reserved_peak_bytes / 2 ** 30
     said = f"{stack}{', Float8 (' + recipe + ')' if recipe else ''}{', AsyncTP' if async_tp else ''}, recompute {recompute}"
@@ -240,7 +245,8 @@ def torchtitan_cp_row(name: str, root: Path) -> list:
     fsdp, cp, seq, published, published_gib = TORCHTITAN_CP[name]
     parallel = Parallel(dp=fsdp, cp=cp, cp_comm="allgather", zero=3, recompute="full")
     run = extract(str(folder), batch=1, seq=seq, dtype="bf16", grad_dtype="fp32", device="h100-sxm-96gb",
-                  stack="compiled", fp8=True, fp8_recipe="torchao", parallel=parallel)
+                  stack="compiled", fp8=True, fp8_recipe="torchao", parallel=parallel,
+                  sdpa_backends=TORCHTITAN_CP_SDPA if cp > 1 else TORCHTITAN_SDPA)
     ours = run.cluster.tokens_per_s_per_gpu
     memory = run.memory.reserved_peak_bytes / 2 ** 30
     return [name, f"fsdp{fsdp} cp{cp}", fsdp * cp, f"compiled, Float8 (torchao), recompute full, seq {seq:,}; "

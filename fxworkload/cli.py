@@ -51,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
                          help="with --fp8: te (Transformer Engine: amax in the cast's pass, FP8 weights kept a step; "
                               "default) or torchao (torchao's Float8Linear as torchtitan runs it: dynamic tensor-wise "
                               "scaling, an amax pass before each cast, weights cast in every forward)")
+    extract.add_argument("--sdpa-backends", type=_backends, default=None, metavar="LIST", help=SDPA_BACKENDS_HELP)
     extract.add_argument("--size-unit", choices=["bytes", "elements"], default="bytes",
                          help="unit of the gradient all-reduce sizes in workload.tsv (default bytes)")
     extract.add_argument("--trace-on", default="auto",
@@ -133,6 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--dtype", default="bf16", help="parameter and activation dtype: fp32, bf16 or fp16 (default bf16, "
                                                       "as large runs train; extract's default is fp32)")
     plan.add_argument("--stack", default="eager", help=STACK_HELP)
+    plan.add_argument("--sdpa-backends", type=_backends, default=None, metavar="LIST", help=SDPA_BACKENDS_HELP)
     plan.add_argument("--top", type=int, default=10, help="layouts listed (default 10; 0 = all that fit)")
     plan.add_argument("--workers", type=int, default=None, help="local processes (default: one per core)")
     plan.add_argument("--ray", default=None, metavar="ADDRESS",
@@ -192,9 +194,18 @@ def _out_dir(text: str) -> Path:
 
 FP8_HELP = ("FP8 training as Transformer Engine runs it: the decoder layers' linear GEMMs (forward and both "
             "backward) at the GPU's FP8 peak, with their casts; attention, norms, embedding and head in --dtype")
+SDPA_BACKENDS_HELP = ("the attention kernels the run enables, comma-separated, as torch.nn.attention.sdpa_kernel "
+                      "does: flash, efficient, math, cudnn (default: all, in --device's order: cuDNN first on "
+                      "H100/H200/B200 as torch 2.10+ with cuDNN > 9.15 chooses; flash,efficient,math is the "
+                      "default of torch 2.5.1-2.9; torchtitan's context parallelism runs flash,efficient)")
 STACK_HELP = ("execution stack whose kernels and saved activations are costed: eager (HF eager PyTorch, "
               "default), fused (Megatron-LM / Transformer Engine fused kernels), compiled (torch.compile: "
               "AOTAutograd's partitioner, inductor's fusion)")
+
+
+def _backends(text: str) -> tuple[str, ...]:
+    """--sdpa-backends' list (its names are checked with the rest of the run's settings)."""
+    return tuple(name.strip() for name in text.split(",") if name.strip())
 
 
 def _add_step_arguments(parser: argparse.ArgumentParser, model_help: str) -> None:
@@ -348,7 +359,7 @@ def _extract(args, set_stage) -> int:
                      use_cache=not args.no_cache, every_layer=args.every_layer, progress=True, parallel=parallel,
                      dropout=not args.no_dropout,
                      name=args.name, stack=args.stack, fp8=args.fp8, topology=args.topology,
-                     fp8_recipe=args.fp8_recipe)
+                     fp8_recipe=args.fp8_recipe, sdpa_backends=args.sdpa_backends)
     set_stage(f"writing {', '.join(formats)} of {result.name}")
     summary = result.summary(args.top, formats)
     return _publish(args.out or Path("outputs") / result.name, summary, result.files(formats), result.settings)
@@ -475,7 +486,7 @@ def run_plan(args) -> int:
                   dtype=args.dtype, workers=args.workers, ray=args.ray, progress=True, stack=args.stack,
                   cp=_degrees(args.cp, "--cp"), fp8=args.fp8, topology=args.topology,
                   overlap_param_gather=args.overlap_param_gather, tp_comm_overlap=args.tp_comm_overlap,
-                  offload=args.offload, cuda_graphs=args.cuda_graphs)
+                  offload=args.offload, cuda_graphs=args.cuda_graphs, sdpa_backends=args.sdpa_backends)
     text = plan_text(result, args.top)
     out = args.out or Path("outputs") / f"{result['model']}-plan-{args.gpus}"
     files = {"plan.json": json.dumps(result, indent=1, sort_keys=True) + "\n", "plan.txt": text}

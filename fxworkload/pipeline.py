@@ -18,8 +18,9 @@ from pathlib import Path
 import torch
 
 from . import __version__
-from .capture.attention import GpuTarget
+from .capture.attention import GpuTarget, enabled
 from .capture.builtin import locate, without_dropout
+from .capture.sdpa_backends import check_sdpa_backends
 from .cost import devices
 from .cost.devices import DeviceProfile
 from .dtypes import DTYPES
@@ -190,7 +191,8 @@ def extract(model: str, batch: int = 1, seq: int | None = None, dtype: str = "fp
             trace_on: str = "auto", use_cache: bool = True, every_layer: bool = False,
             progress: bool = False, parallel: Parallel | None = None, name: str | None = None,
             stack: str = "eager", fp8: bool = False, rank_view: bool = True,
-            topology: str | None = None, dropout: bool = True, fp8_recipe: str = "te") -> Extraction:
+            topology: str | None = None, dropout: bool = True, fp8_recipe: str = "te",
+            sdpa_backends: tuple[str, ...] | None = None) -> Extraction:
     """One training step of ``model`` (a built-in name, checkpoint folder, config.json or cached
     HuggingFace id), costed on ``device``; ``name`` replaces the model's name in the outputs.
     ``trace_on`` is whose dispatch the graph follows: ``auto`` (the device profile's: a GPU profile
@@ -201,6 +203,8 @@ def extract(model: str, batch: int = 1, seq: int | None = None, dtype: str = "fp
     ``fp8``: the decoder layers' linear GEMMs in FP8 as Transformer Engine runs them (workload/fp8.py).
     ``topology``: ``--topology key=value,...`` over the device's own network (cost/topology.py).
     ``fp8_recipe``: with ``fp8``, whose FP8 scaling runs: ``te`` (Transformer Engine) or ``torchao`` (workload/fp8.py).
+    ``sdpa_backends``: the attention kernels the run enables, as ``torch.nn.attention.sdpa_kernel`` (e.g.
+    ``("flash", "efficient")``, torchtitan's with context parallelism); None: all, in the GPU profile's order.
     ``dropout=False``: every dropout probability of the config 0, as a loop runs the model in eval mode
     (``from_pretrained``'s, until ``model.train()``).
     ``rank_view=False`` stops at the costed step (a ``CostedStep``: what a layout search evaluates
@@ -225,7 +229,7 @@ def extract(model: str, batch: int = 1, seq: int | None = None, dtype: str = "fp
         raise UserError(f"--fp8-recipe {fp8_recipe} says how FP8 GEMMs are scaled: it needs --fp8")
     elif parallel.fp8_param_gather:
         raise UserError("--fp8-param-gather gathers the FP8 linear weights: it needs --fp8")
-    gpu = trace_target(trace_on, profile)
+    gpu = trace_target(trace_on, profile, sdpa_backends)
     platform = (f"rocm {profile.arch}" if profile.arch.startswith("gfx")  # ROCm's torch: the "cuda" device type
                 else f"cuda sm{gpu.arch[0]}{gpu.arch[1]}" if gpu is not None else "")
     traced_on = "cpu" if gpu is None else f"{platform} sdpa {'>'.join(gpu.priority)}"
@@ -278,6 +282,8 @@ def extract(model: str, batch: int = 1, seq: int | None = None, dtype: str = "fp
                 "transformers_version": metadata.version("transformers")}
     if topology:
         settings["topology"] = topology
+    if sdpa_backends is not None:
+        settings["sdpa_backends"] = list(sdpa_backends)
     rank = rank_workload(facts, workload, parallel, batch, seq, dtype, grad_dtype)
     memory = rank_memory(rank.parallel, rank.units, workload, dtype, grad_dtype, captured_saved_bytes,
                          regenerated_bytes, profile.memory_capacity_bytes, profile.host_memory_capacity_bytes)
@@ -403,11 +409,19 @@ TRACE_ON = ("auto", "cpu", "cuda")
 REFERENCE_GPU = "h100-sxm"  # whose dispatch --trace-on cuda follows when --device is not a GPU
 
 
-def trace_target(trace_on: str, profile: DeviceProfile) -> GpuTarget | None:
-    """The GPU whose SDPA dispatch the trace follows, or None to dispatch as the CPU does."""
+def trace_target(trace_on: str, profile: DeviceProfile, sdpa_backends: tuple[str, ...] | None = None
+                 ) -> GpuTarget | None:
+    """The GPU whose SDPA dispatch the trace follows, or None to dispatch as the CPU does; ``sdpa_backends``:
+    the backends a run enables (``torch.nn.attention.sdpa_kernel``), None for all of them."""
     if trace_on not in TRACE_ON:
         raise UserError(f"unknown --trace-on '{trace_on}': use auto (follow --device), cpu or cuda")
+    check_sdpa_backends(sdpa_backends)
     if trace_on == "cpu" or (trace_on == "auto" and not profile.arch):
+        if sdpa_backends is not None:
+            raise UserError("--sdpa-backends chooses among a GPU's attention kernels, but this trace follows the "
+                            f"CPU's dispatch ({profile.name}): give a GPU --device or --trace-on cuda")
         return None
     gpu = profile if profile.arch else devices.load(REFERENCE_GPU)
-    return GpuTarget(arch=gpu.compute_capability(), priority=tuple(gpu.sdpa_priority))
+    target = GpuTarget(arch=gpu.compute_capability(), priority=tuple(gpu.sdpa_priority))
+    return target if sdpa_backends is None else enabled(target, sdpa_backends)
+

@@ -216,6 +216,9 @@ def test_a_closed_pipe_and_a_full_disk_are_not_tracebacks():
     (["calibrate", "--on", "gpu"], "unknown --on 'gpu': use cpu or cuda"),
     (["calibrate", "--name", "../x"], "--name '../x' is not a device profile name"),
     (["extract", "gpt2", "--device", "/tmp/x"], "--device '/tmp/x' is not a device profile name"),
+    (["extract", "gpt2", "--device", "h100-sxm", "--sdpa-backends", "flash,cuda"], "--sdpa-backends 'flash,cuda'"),
+    (["plan", "gpt2", "--gpus", "8", "--global-batch", "8", "--seq", "128", "--sdpa-backends", "fa3"],
+     "--sdpa-backends 'fa3'"),
     (["profile", "gpt2", "--on", "cuda"], "CPU-only build" if torch.version.cuda is None else "no CUDA device"),
 ])
 def test_messages_name_the_option_typed(args, message, tmp_path):

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.fx.traceback as fx_traceback
@@ -24,7 +24,9 @@ from torch.overrides import TorchFunctionMode
 
 aten = torch.ops.aten
 
-CUDNN, FLASH, EFFICIENT, MATH, CPU_FLASH = "cudnn", "flash", "efficient", "math", "cpu_flash"
+from .sdpa_backends import CUDNN, EFFICIENT, FLASH, MATH, SDPA_BACKENDS
+
+CPU_FLASH = "cpu_flash"
 EAGER = "eager"  # transformers' own eager attention (matmul, softmax, dropout, matmul), outside SDPA
 BACKEND_KEY = "fxworkload_sdpa_backend"  # key of node.meta["custom"]
 
@@ -67,16 +69,24 @@ class SdpaCall:
     requires_grad: bool = True
 
 
+def enabled(target: GpuTarget, backends: tuple[str, ...]) -> GpuTarget:
+    """The target inside ``torch.nn.attention.sdpa_kernel(backends)``: only those backends enabled, tried in
+    the build's own order (``set_priority=False``, the default); a backend the build's order leaves out comes
+    where its default order puts it, after the rest."""
+    order = tuple(target.priority) + tuple(b for b in SDPA_BACKENDS if b not in target.priority)
+    return replace(target, priority=tuple(b for b in order if b in backends))
+
+
 def choose(call: SdpaCall, target: GpuTarget) -> str:
-    """The backend PyTorch's CUDA dispatch takes for this call, or "error" where none can run it."""
+    """The backend PyTorch's CUDA dispatch takes for this call, or "error" where none enabled can run it."""
     if call.heads != call.kv_heads and (not call.enable_gqa or call.heads % call.kv_heads):
         # one key/value head broadcasts over the query heads (Falcon's multi-query attention): only
         # the math path broadcasts (the fused kernels' check_batch_size_and_num_heads_dense fails)
-        return MATH if call.kv_heads == 1 else "error"
+        return MATH if call.kv_heads == 1 and MATH in target.priority else "error"
     for backend in target.priority:
         if backend == MATH or RULES[backend](call, target):
             return backend
-    return MATH
+    return "error"  # select_sdp_backend's "No available kernel": math, which runs anything, is disabled
 
 
 def _sm_between(arch: tuple[int, int], low: tuple[int, int], high: tuple[int, int]) -> bool:
@@ -172,7 +182,10 @@ class GpuDispatch(TorchFunctionMode):
         call = call_of(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
         backend = choose(call, self.target)
         if backend == "error":
-            raise ValueError(f"no SDPA kernel takes {call.heads} query heads with {call.kv_heads} key/value heads")
+            raise ValueError(f"no enabled SDPA kernel ({', '.join(self.target.priority)}) takes this attention "
+                             f"({call.heads} query heads, {call.kv_heads} key/value heads, head dim {call.head_dim}, "
+                             f"{'a mask' if call.has_mask else 'no mask'}, {str(call.dtype).removeprefix('torch.')}): "
+                             "enable another with --sdpa-backends")
         with _tagged(backend):
             if backend == MATH:
                 if dropout_p > 0:

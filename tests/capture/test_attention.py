@@ -125,3 +125,61 @@ def test_the_gpu_math_path_is_torchs_own_with_dropout_fused(causal, kv_heads):
                                     "aten.mul.Tensor"]
     getitem = "<built-in function getitem>"
     assert ours == torch_ops[:at] + ["aten.native_dropout.default", getitem, getitem] + torch_ops[at + 4:]
+
+
+def test_enabled_backends_keep_the_builds_order_and_drop_the_rest():
+    """torch.nn.attention.sdpa_kernel(backends) (set_priority=False) enables those backends and leaves the
+    order alone: on an H100 whose build tries cuDNN first, enabling flash and efficient (torchtitan's context
+    parallelism) runs flash for Llama's bf16 GQA call; efficient alone cannot take GQA, and with math
+    disabled nothing can (select_sdp_backend's "No available kernel"); math enabled takes it."""
+    from fxworkload.capture.attention import enabled
+
+    h100 = trace_target("auto", load("h100-sxm"))
+    call = SdpaCall(dtype=torch.bfloat16, batch=1, heads=32, kv_heads=8, q_len=8192, kv_len=8192, head_dim=128,
+                    v_head_dim=128, has_mask=False, dropout=0.0, is_causal=True, enable_gqa=True)
+    assert choose(call, h100) == "cudnn"
+    assert enabled(h100, ("efficient", "flash")).priority == ("flash", "efficient")
+    assert choose(call, enabled(h100, ("flash", "efficient"))) == "flash"
+    assert choose(call, enabled(h100, ("efficient",))) == "error"
+    assert choose(call, enabled(h100, ("efficient", "math"))) == "math"
+    # cuDNN, which an A100's order leaves out, comes last when enabled: only math still precedes it
+    a100 = trace_target("auto", load("a100-80gb"))
+    assert enabled(a100, ("cudnn", "flash")).priority == ("flash", "cudnn")
+
+
+def test_a_capture_with_only_flash_and_efficient_records_flash_on_an_h100(tiny_dirs):
+    module = models.build_meta_model(models.resolve(str(tiny_dirs["llama"])), torch.bfloat16)
+    target = trace_target("auto", load("h100-sxm"), ("flash", "efficient"))
+    ops = [str(n.target) for n in capture_training_step(module, 2, 16, gpu=target).graph.nodes
+           if n.op == "call_function"]
+    assert ops.count("aten._scaled_dot_product_flash_attention.default") == 2
+    assert ops.count("aten._scaled_dot_product_flash_attention_backward.default") == 2
+    assert not any("cudnn" in op for op in ops)
+
+
+@pytest.mark.parametrize("backends, trace_on, said", [(("bogus",), "auto", "name one or more of"),
+                                                      ((), "auto", "name one or more of"),
+                                                      (("flash",), "cpu", "follows the CPU's dispatch")])
+def test_a_backend_list_that_cannot_apply_is_refused(backends, trace_on, said):
+    from fxworkload.errors import UserError
+
+    with pytest.raises(UserError, match=said):
+        trace_target(trace_on, load("h100-sxm"), backends)
+
+
+def test_an_extraction_with_only_flash_enabled_costs_flash_and_says_so(tiny_dirs, tmp_path, monkeypatch):
+    """The cache holds each enabled set's capture apart (its key carries the order tried): the second run
+    is not handed the first one's cuDNN step."""
+    from fxworkload.pipeline import extract
+
+    monkeypatch.setenv("FXWORKLOAD_CACHE_DIR", str(tmp_path))
+    runs = {backends: extract(str(tiny_dirs["llama"]), seq=64, dtype="bf16", device="h100-sxm",
+                              sdpa_backends=backends) for backends in (None, ("flash", "efficient"))}
+
+    def attention(run):
+        return {op.sdpa_backend: op.estimated_ns for row in run.nodes for op in [row.forward] if op.sdpa_backend}
+
+    default, flash = runs[None], runs[("flash", "efficient")]
+    assert set(attention(default)) == {"cudnn"} and set(attention(flash)) == {"flash"}
+    assert flash.settings["sdpa_backends"] == ["flash", "efficient"] and "sdpa_backends" not in default.settings
+    assert flash.settings["traced_on"].endswith("sdpa flash>efficient")
