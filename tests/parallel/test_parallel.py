@@ -84,6 +84,22 @@ def test_activation_collectives_move_batch_seq_hidden(model, sp):
     assert [c.bytes for c in loss] == [batch * seq * 4] * 3
 
 
+@pytest.mark.parametrize("recipe, gathered_itemsize", [("torchao", 1), ("te", 2)])
+def test_torchaos_float8_tensor_parallelism_gathers_in_fp8(recipe, gathered_itemsize):
+    """torchao/float8/float8_tensor_parallel.py: PrepareFloat8ModuleInput casts a block's input to float8 before
+    its all-gather, and Float8RowwiseParallel casts a row-parallel output's gradient before the backward's
+    all-gather ("fwd noop bwd cast"): one byte an element; both reduce-scatters stay bf16. Transformer
+    Engine's recipe is left gathering bf16 here."""
+    batch, seq, tp = 2, 32, 4
+    result = extract("llama-3-8b", batch=batch, seq=seq, dtype="bf16", fp8=True, fp8_recipe=recipe,
+                     device="h100-sxm", parallel=Parallel(tp=tp, sp=True, vocab_multiple=128))
+    hidden = result.spec.config.hidden_size
+    for phase in (FORWARD, INPUT_GRAD):
+        layer_comms = [c for u in _units(result) if u.layer is not None for c in u.comms[phase]]
+        assert {c.bytes for c in layer_comms if c.type == "ALLGATHER"} == {batch * seq * hidden * gathered_itemsize}
+        assert {c.bytes for c in layer_comms if c.type == "REDUCESCATTER"} == {batch * seq * hidden * 2}
+
+
 def _llama_stage_parameters(config, layers: int, tp: int, first: bool, last: bool) -> int:
     """One tensor-parallel rank's parameters, counted by hand from the config (norms are replicated)."""
     h, i, v = config.hidden_size, config.intermediate_size, config.vocab_size
