@@ -447,3 +447,16 @@ def test_plan_plot_writes_the_same_png_twice(four_layers, tmp_path):
     png = (tmp_path / "a" / "plan.png").read_bytes()
     assert png.startswith(b"\x89PNG\r\n\x1a\n") and png == (tmp_path / "b" / "plan.png").read_bytes()
     assert "plan.png" in (tmp_path / "a" / "manifest.json").read_text()
+
+
+def test_a_plan_with_other_attention_kernels_is_evaluated_apart(four_layers, tmp_path, monkeypatch):
+    """--sdpa-backends reaches every shape's evaluation, and a cached plan of the default kernels is not
+    handed back for it: each shape gets cache entries of its own (one per shape and kernel choice)."""
+    monkeypatch.setenv("FXWORKLOAD_CACHE_DIR", str(tmp_path / "cache"))
+    default = plan(four_layers, gpus=2, global_batch=4, seq=16, device="h100-sxm", workers=1)
+    entries = sorted((tmp_path / "cache" / "plans").glob("*.json"))
+    flash = plan(four_layers, gpus=2, global_batch=4, seq=16, device="h100-sxm", workers=1,
+                 sdpa_backends=("flash", "efficient"))
+    assert "sdpa_backends" not in default and flash["sdpa_backends"] == ["flash", "efficient"]
+    assert flash["ranked"] and len(flash["ranked"]) == len(default["ranked"])
+    assert entries and len(list((tmp_path / "cache" / "plans").glob("*.json"))) == 2 * len(entries)

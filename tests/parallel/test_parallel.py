@@ -84,15 +84,16 @@ def test_activation_collectives_move_batch_seq_hidden(model, sp):
     assert [c.bytes for c in loss] == [batch * seq * 4] * 3
 
 
-@pytest.mark.parametrize("recipe, gathered_itemsize", [("torchao", 1), ("te", 2)])
-def test_torchaos_float8_tensor_parallelism_gathers_in_fp8(recipe, gathered_itemsize):
+@pytest.mark.parametrize("recipe, gathered_itemsize", [("torchao", 1), ("te", 1), (None, 2)])
+def test_fp8_tensor_parallelism_gathers_in_fp8(recipe, gathered_itemsize):
     """torchao/float8/float8_tensor_parallel.py: PrepareFloat8ModuleInput casts a block's input to float8 before
     its all-gather, and Float8RowwiseParallel casts a row-parallel output's gradient before the backward's
-    all-gather ("fwd noop bwd cast"): one byte an element; both reduce-scatters stay bf16. Transformer
-    Engine's recipe is left gathering bf16 here."""
+    all-gather ("fwd noop bwd cast"); Transformer Engine's LayerNormLinear gathers its quantized norm output,
+    and grad_output_preprocess gathers the gradient with its quantizer: one byte an element either way;
+    the reduce-scatters stay bf16, as everything does without FP8."""
     batch, seq, tp = 2, 32, 4
-    result = extract("llama-3-8b", batch=batch, seq=seq, dtype="bf16", fp8=True, fp8_recipe=recipe,
-                     device="h100-sxm", parallel=Parallel(tp=tp, sp=True, vocab_multiple=128))
+    result = extract("llama-3-8b", batch=batch, seq=seq, dtype="bf16", fp8=recipe is not None,
+                     fp8_recipe=recipe or "te", device="h100-sxm", parallel=Parallel(tp=tp, sp=True, vocab_multiple=128))
     hidden = result.spec.config.hidden_size
     for phase in (FORWARD, INPUT_GRAD):
         layer_comms = [c for u in _units(result) if u.layer is not None for c in u.comms[phase]]
