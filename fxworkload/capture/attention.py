@@ -22,9 +22,9 @@ import torch
 import torch.fx.traceback as fx_traceback
 from torch.overrides import TorchFunctionMode
 
-aten = torch.ops.aten
-
 from .sdpa_backends import CUDNN, EFFICIENT, FLASH, MATH, SDPA_BACKENDS
+
+aten = torch.ops.aten
 
 CPU_FLASH = "cpu_flash"
 EAGER = "eager"  # transformers' own eager attention (matmul, softmax, dropout, matmul), outside SDPA
