@@ -460,3 +460,7 @@ def test_a_plan_with_other_attention_kernels_is_evaluated_apart(four_layers, tmp
     assert "sdpa_backends" not in default and flash["sdpa_backends"] == ["flash", "efficient"]
     assert flash["ranked"] and len(flash["ranked"]) == len(default["ranked"])
     assert entries and len(list((tmp_path / "cache" / "plans").glob("*.json"))) == 2 * len(entries)
+    from fxworkload.formats.plan_text import plan_text
+
+    assert "stack eager (attention: flash,efficient), cp 1:" in plan_text(flash)
+    assert "(attention:" not in plan_text(default)

@@ -24,8 +24,9 @@ def plan_text(result: dict, top: int = 10) -> str:
              f"{r['peak_bytes'] / 2 ** 30:.1f}" + ("*" if offloaded(r) else ""),
              "~" if r.get("overlaps_best") else ""] for i, r in enumerate(ranked)]
     precision = f"{result['dtype']}{' + fp8 GEMMs' if result.get('fp8') else ''}"
+    kernels = f" (attention: {','.join(result['sdpa_backends'])})" if result.get("sdpa_backends") else ""
     head = (f"{result['model']} on {result['gpus']} x {result['device']}, global batch {result['global_batch']} x seq "
-            f"{result['seq']}, {precision}, stack {result['stack']}, cp {','.join(map(str, result['cp']))}: "
+            f"{result['seq']}, {precision}, stack {result['stack']}{kernels}, cp {','.join(map(str, result['cp']))}: "
             f"{result['evaluated']:,} layouts evaluated from {result['shapes']} captured rank shapes, "
             f"{len(result['ranked']):,} fit")
     dropped = "\n".join(f"dropped: {count:,} {why}" for why, count in result["dropped"].items() if count)

@@ -137,6 +137,17 @@ def row_documents(workload: Workload, label: str, op_ns: Callable[[OpCost], floa
     return rows
 
 
+def _attention_row(workload: Workload, settings: dict) -> list[list[str]]:
+    """The attention kernels the step runs and the order the trace tried them in (a GPU trace's
+    ``traced_on``: "cuda sm90 sdpa cudnn>flash>..."); none for a CPU trace or a step without SDPA."""
+    ran = sorted({op.sdpa_backend for row in workload.node_rows for op in (row.forward, *row.input_grad)
+                  if op.sdpa_backend})
+    tried = settings.get("traced_on", "").partition(" sdpa ")[2]
+    if not ran or not tried:
+        return []
+    return [["attention kernel (--sdpa-backends)", f"{', '.join(ran)} (tried in order: {tried.replace('>', ', ')})"]]
+
+
 def summary_text(workload: Workload, settings: dict, top: int = 10) -> str:
     totals = workload.totals
     p = settings["parallel"]
@@ -151,6 +162,7 @@ def summary_text(workload: Workload, settings: dict, top: int = 10) -> str:
         ["dtype / grad dtype", f"{settings['dtype']} / {settings['grad_dtype']}"],
         ["execution stack (--stack)", f"{settings.get('stack', 'eager')}: {STACKS[settings.get('stack', 'eager')].source}"],
         ["recomputation (--recompute)", _recompute_text(p)],
+        *_attention_row(workload, settings),
         ["gradient reduction over dp", "overlapped with backward, bucket by bucket" if p.get("overlap_grad_reduce", True)
          else "after the last backward (--grad-reduce-after-backward)"],
         [f"trainable parameters ({scope})", f"{totals['parameter_count']:,}"],

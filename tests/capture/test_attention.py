@@ -183,3 +183,6 @@ def test_an_extraction_with_only_flash_enabled_costs_flash_and_says_so(tiny_dirs
     assert set(attention(default)) == {"cudnn"} and set(attention(flash)) == {"flash"}
     assert flash.settings["sdpa_backends"] == ["flash", "efficient"] and "sdpa_backends" not in default.settings
     assert flash.settings["traced_on"].endswith("sdpa flash>efficient")
+    said = [line.split(None, 3)[-1] for line in flash.summary(10, ["tables"]).splitlines()
+            if line.startswith("attention kernel (--sdpa-backends)")]
+    assert said == ["flash (tried in order: flash, efficient)"]
