@@ -23,6 +23,7 @@ from .capture.builtin import locate, without_dropout
 from .capture.sdpa_backends import check_sdpa_backends
 from .cost import devices
 from .cost.devices import DeviceProfile
+from .cost.gpu import RESIDENT_THREADS, SM_THREADS
 from .dtypes import DTYPES
 from .limits import check_settings
 from .memo import Memo
@@ -244,7 +245,10 @@ def extract(model: str, batch: int = 1, seq: int | None = None, dtype: str = "fp
     located_name, config_path, _ = locate(model)
     name = located_name if name is None else name
     raw_config = _raw_config(config_path)
-    cache_key = graph_cache.key(raw_config if dropout else without_dropout(raw_config), batch, seq, dtype, grad_dtype, traced_on,
+    # the kernels' scratch (workload/scratch.py) follows the GPU's SMs: two sm90 boards differ
+    trace_device = traced_on if gpu is None else f"{traced_on} {gpu.sm_count}x{gpu.threads_per_sm}"
+    cache_key = graph_cache.key(raw_config if dropout else without_dropout(raw_config), batch, seq, dtype, grad_dtype,
+                                trace_device,
                                 shards=(parallel.tp, parallel.ep), vocab_multiple=parallel.vocab_multiple,
                                 every_layer=every_layer, stack=stack)
     cached = graph_cache.load(cache_key, ModelFacts) if use_cache else None
@@ -422,6 +426,9 @@ def trace_target(trace_on: str, profile: DeviceProfile, sdpa_backends: tuple[str
                             f"CPU's dispatch ({profile.name}): give a GPU --device or --trace-on cuda")
         return None
     gpu = profile if profile.arch else devices.load(REFERENCE_GPU)
-    target = GpuTarget(arch=gpu.compute_capability(), priority=tuple(gpu.sdpa_priority))
+    # ROCm's reductions launch warps of 64 under other limits (workload/scratch.py counts CUDA's only)
+    grid = (gpu.sm_count, RESIDENT_THREADS.get(gpu.arch, SM_THREADS)) if gpu.arch.startswith("sm") else (0, 0)
+    target = GpuTarget(arch=gpu.compute_capability(), priority=tuple(gpu.sdpa_priority), sm_count=grid[0],
+                       threads_per_sm=grid[1])
     return target if sdpa_backends is None else enabled(target, sdpa_backends)
 

@@ -50,6 +50,10 @@ class GpuTarget:
     # Releases after 2.11 take cuDNN only for dropout in steps of 1/16 (check_cudnn_dropout); 2.11, whose
     # kernels the shipped model is fitted on, ran cuDNN with dropout 0.1.
     cudnn_dropout_sixteenths: bool = False
+    # The launch grid kernels size their scratch by (workload/scratch.py: Reduce.cuh's global buffer): the SMs
+    # and resident threads per SM; 0 where not known (no scratch is then counted)
+    sm_count: int = 0
+    threads_per_sm: int = 0
 
 
 @dataclass(frozen=True)

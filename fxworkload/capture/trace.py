@@ -16,7 +16,7 @@ from __future__ import annotations
 import bisect
 import collections
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.fx.traceback as fx_traceback
@@ -45,6 +45,7 @@ class Capture:
     owner: dict[torch.fx.Node, torch.fx.Node]  # backward node -> forward node it differentiates
     module: dict[torch.fx.Node, str]  # forward node -> innermost module path ("" = the root)
     parameter_nodes: dict[str, torch.fx.Node]  # parameter name -> its placeholder
+    gpu: GpuTarget | None = None  # the GPU whose dispatch the trace followed; None: the CPU's
 
 
 def capture_training_step(model: torch.nn.Module, batch: int, seq: int, device: str = "cpu",
@@ -84,7 +85,7 @@ def capture_training_step(model: torch.nn.Module, batch: int, seq: int, device: 
     gm.graph.eliminate_dead_code()
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     parameter_nodes = dict(zip(list(parameters), placeholders[:n_params]))
-    return _label(gm, parameter_nodes)
+    return replace(_label(gm, parameter_nodes), gpu=gpu)
 
 
 @contextlib.contextmanager

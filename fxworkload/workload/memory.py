@@ -22,8 +22,10 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from ..capture.trace import FORWARD, Capture
 from .allocator import CachingAllocator
 from .fusion import Regions
+from .scratch import handle_workspaces, scratch_bytes
 
 ALLOCATION_ROUNDING_BYTES = 512  # CUDACachingAllocator's kMinBlockSize: every block is a multiple of it
+SCRATCH = "scratch"  # the key of a kernel's own request: (SCRATCH, node, index)
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,11 @@ def activation_memory(capture: Capture, keep: SavePolicy | None = None) -> Activ
     if keep is not None:
         keep = keep.bound({key for node in keep.saved or () for key, _ in _storages(node)})
         created = {key: made for key, made in created.items() if keep.allocated(key, value_of[key])}
+    # what a kernel takes from the allocator for itself and gives back as it returns (scratch.py): made after
+    # its op's outputs, freed at its op (never read)
+    for node in nodes:
+        for i, nbytes in enumerate(scratch_bytes(node, capture.gpu, fused=keep is not None)):
+            created[(SCRATCH, node, i)] = (node, allocated_bytes(nbytes))
     last_read: dict[StorageWeakRef, int] = {}
     read_by_backward: set[StorageWeakRef] = set()
     for node in nodes:
@@ -73,6 +80,7 @@ def activation_memory(capture: Capture, keep: SavePolicy | None = None) -> Activ
                 if backward:
                     read_by_backward.add(key)
 
+    _held_by_the_model(capture, nodes, position, created, made_by, last_read)
     outputs = {key for node in nodes if node.op == "output" for source in node.all_input_nodes
                for key, _ in _storages(source)}
     peak = _peak(created, last_read, position, len(nodes), skip=set())
@@ -84,20 +92,47 @@ def activation_memory(capture: Capture, keep: SavePolicy | None = None) -> Activ
         if capture.phase.get(node) == FORWARD:
             saved[node] = saved.get(node, 0) + nbytes
     resident_bytes = [nbytes for node in nodes if node.op == "placeholder" for _, nbytes in _storages(node)]
-    reserved, allocated = replayed_peaks(resident_bytes, created, last_read, position, outputs)
+    kept_for_good = [(position[node], nbytes) for node, nbytes in handle_workspaces(
+        nodes, lambda node: capture.phase.get(node, FORWARD) != FORWARD, capture.gpu)]
+    reserved, allocated = replayed_peaks(resident_bytes, created, last_read, position, outputs, kept_for_good)
     return ActivationMemory(saved_bytes=saved, step_peak_bytes=peak, activation_peak_bytes=activation_peak,
                             saved_total_bytes=sum(saved.values()), reserved_peak_bytes=reserved,
                             allocated_peak_bytes=allocated)
+
+
+def _held_by_the_model(capture: Capture, nodes: list, position: dict, created: dict, made_by: dict,
+                       last_read: dict) -> None:
+    """A value passed from one of the model's top-level modules to another, or to the model's own forward (the
+    decoder's last hidden state, the logits the loss reads), is a local variable of that forward in eager
+    PyTorch: it stays referenced until the forward returns, past its last read (transformers'
+    ``CausalLM.forward`` keeps ``outputs`` and ``logits`` while its loss function makes the fp32 copy and the
+    log-softmax). Inside a top-level module the graph's last read stands for the variable's life."""
+    forward = [n for n in nodes if n.op == "call_function" and capture.phase.get(n) == FORWARD]
+    if not forward:
+        return
+    forward_end = position[forward[-1]]
+    for node in forward:
+        reader_top = _top_module(capture.module.get(node, ""))
+        for source in node.all_input_nodes:
+            for key, _ in _storages(source):
+                if key in created and _top_module(capture.module.get(made_by.get(key), "")) != reader_top:
+                    last_read[key] = max(last_read.get(key, 0), forward_end)
+
+
+def _top_module(path: str) -> str:
+    return path.partition(".")[0]
 
 
 STEPS_REPLAYED = 3  # the pool a step leaves is what the next one allocates from; by the third it repeats
 
 
 def replayed_peaks(resident_bytes: list[int], created: dict, last_read: dict, position: dict,
-                   kept: set) -> tuple[int, int]:
+                   kept: set, kept_for_good: list[tuple[int, int]] = ()) -> tuple[int, int]:
     """(reserved, allocated) peaks of the last of STEPS_REPLAYED steps through the caching allocator:
     the resident storages first, in the graph's order, then each step's storages made at their op and
-    freed after their last read; ``kept`` (the gradients and the loss) stay until the next step begins."""
+    freed after their last read; ``kept`` (the gradients and the loss) stay until the next step begins;
+    ``kept_for_good``: (position, bytes) requests the first step makes after its op's and never frees (the
+    library handles' workspaces, scratch.handle_workspaces)."""
     allocator = CachingAllocator()
     for nbytes in resident_bytes:
         allocator.malloc(nbytes)
@@ -107,17 +142,24 @@ def replayed_peaks(resident_bytes: list[int], created: dict, last_read: dict, po
         made.setdefault(position[node], []).append((key, nbytes))
         if key not in kept:
             freed.setdefault(last_read.get(key, position[node]), []).append(key)
+    for keys in freed.values():  # a kernel's scratch is given back inside its op, before the op's inputs, the
+        keys.sort(key=_scratch_first)  # last request first (C++ destroys its locals in reverse)
+    once: dict[int, list] = {}
+    for step, nbytes in kept_for_good:
+        once.setdefault(step, []).append(nbytes)
     held_over: list[int] = []
-    for _ in range(STEPS_REPLAYED):
+    for replayed in range(STEPS_REPLAYED):
         for address in held_over:
             allocator.free(address)
         allocator.reset_peaks()
         held_over, live = [], {}
-        for step in sorted(made.keys() | freed.keys()):
+        for step in sorted(made.keys() | freed.keys() | (once.keys() if not replayed else set())):
             for key, nbytes in made.get(step, ()):
                 live[key] = allocator.malloc(nbytes)
                 if key in kept:
                     held_over.append(live[key])
+            for nbytes in once.get(step, ()) if not replayed else ():
+                allocator.malloc(nbytes)
             for key in freed.get(step, ()):
                 allocator.free(live.pop(key))
     return allocator.peak_reserved_bytes, allocator.peak_allocated_bytes
@@ -169,6 +211,10 @@ class SavePolicy:
                 continue
             todo.extend(k for source in made_by[current].all_input_nodes for k, _ in _storages(source))
         return found
+
+
+def _scratch_first(key) -> tuple[int, int]:
+    return (0, -key[2]) if isinstance(key, tuple) and key[0] == SCRATCH else (1, 0)
 
 
 def _peak(created, last_read, position, length: int, skip: set) -> int:

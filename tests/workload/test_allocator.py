@@ -89,8 +89,9 @@ def test_gpt2s_step_reserves_about_what_a_lent_h100_reserved(tmp_path):
     """GPT-2 (models/gpt2), batch 8, seq 1024, bf16, eager, traced as an H100 dispatches it: the replay's
     steady-state peaks beside bench/data/lent-gpus/h100/graphs/reserved.json (bench/gpu_graphs.py, torch
     2.11 on an H100 80GB HBM3): max_memory_allocated 9,680,685,568 and max_memory_reserved 12,207,521,792
-    bytes over a fifth step. Allocated is the graph's own tensors; reserved is short by the reduction
-    kernels' staging buffers (132 MiB a bias gradient) the graph does not show (docs/cluster.md)."""
+    bytes over a fifth step. Allocated is the graph's tensors, the kernels' scratch and cuBLAS's two handles'
+    workspaces (workload/scratch.py); reserved follows from them: the workspace the backward's first GEMM takes
+    splits a cached segment the loss's fp32 logits needed, and the second step cudaMallocs one more."""
     from fxworkload.capture import models
     from fxworkload.capture.trace import capture_training_step
     from fxworkload.cost import devices
@@ -103,6 +104,6 @@ def test_gpt2s_step_reserves_about_what_a_lent_h100_reserved(tmp_path):
     module = models.build_meta_model(spec, torch.bfloat16)
     capture = capture_training_step(module, 8, 1024, gpu=trace_target("auto", devices.load("h100-sxm")))
     memory = activation_memory(capture)
-    assert abs(memory.allocated_peak_bytes / 9_680_685_568 - 1) < 0.02
-    assert 0.80 < memory.reserved_peak_bytes / 12_207_521_792 < 1.0
-    assert memory.reserved_peak_bytes > memory.allocated_peak_bytes * 1.05  # the allocator's slack, not zero
+    assert abs(memory.allocated_peak_bytes / 9_680_685_568 - 1) < 0.01
+    assert abs(memory.reserved_peak_bytes / 12_207_521_792 - 1) < 0.01  # -13.9 % before the workspaces
+    assert memory.reserved_peak_bytes > memory.allocated_peak_bytes * 1.2  # the allocator's slack: 1.26 measured
