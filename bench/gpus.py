@@ -56,6 +56,7 @@ BINARY = {"add", "mul", "pow", "div"}  # two tensors in, one out; the rest one i
 # The grids the fit searches (coordinate descent, three rounds): coarse enough to run in a minute.
 GRID = {"gemm_fp32_efficiency": [x / 100 for x in range(40, 131, 2)],
         "fp32_watts_per_tflop_nm": [x / 20 for x in range(10, 61)],
+        "gemm_fp32_issue_share": [x / 100 for x in range(40, 101, 2)],
         "isolated_call_ns": [x * 1000.0 for x in range(0, 25, 1)]}  # at most the fastest call measured (24 us)
 
 
@@ -125,7 +126,10 @@ class Sampled:
 
     def errors(self, parameters: dict) -> np.ndarray:
         model = replace(self.profile.gpu_model(), fp32_watts_per_tflop_nm=parameters["fp32_watts_per_tflop_nm"])
-        product = parameters["gemm_fp32_efficiency"] * sustained_clock_fraction(self.profile.gpu_facts(), model)
+        facts = self.profile.gpu_facts()
+        product = parameters["gemm_fp32_efficiency"] * sustained_clock_fraction(facts, model)
+        if facts.fp32_issue_bound:
+            product *= parameters["gemm_fp32_issue_share"]
         j = int(np.clip(np.searchsorted(PRODUCTS, product) - 1, 0, len(PRODUCTS) - 2))
         weight = (np.log(product) - np.log(PRODUCTS[j])) / (np.log(PRODUCTS[j + 1]) - np.log(PRODUCTS[j]))
         kernel = self.kernel_ms[:, j] * (1 - weight) + self.kernel_ms[:, j + 1] * weight
@@ -204,31 +208,46 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+# Fitted on one vendor's GPUs: its FP32 GEMM library's efficiency, and the issue share of the SMs it has
+# (gpu.FP32_ISSUE_BOUND; none of CDNA's, so the AMD fit leaves it at 1)
+VENDOR_TERMS = ("gemm_fp32_efficiency", "gemm_fp32_issue_share")
+
+
+def vendor_terms(sampled: dict[str, Sampled]) -> tuple[str, ...]:
+    """The terms fitted on these GPUs of one vendor: the issue share only where one of them is issue-bound."""
+    bound = any(gpu.profile.gpu_facts().fp32_issue_bound for gpu in sampled.values())
+    return VENDOR_TERMS if bound else VENDOR_TERMS[:1]
+
+
 def fit_without(sampled: dict[str, Sampled], left_out: str | None) -> dict:
     """The three parameters fitted on every GPU but ``left_out``: the power and launch terms on all of them,
     then the FP32 GEMM efficiency on the left-out GPU's vendor's (CUDA's libraries and CDNA's differ)."""
     others = {g: s for g, s in sampled.items() if g != left_out}
-    start = {"gemm_fp32_efficiency": 1.0, "fp32_watts_per_tflop_nm": 0.0, "isolated_call_ns": 0.0}
+    start = {"gemm_fp32_efficiency": 1.0, "fp32_watts_per_tflop_nm": 0.0, "isolated_call_ns": 0.0,
+             "gemm_fp32_issue_share": 1.0}
     parameters = fit(others, start)
     if left_out is None:
         return parameters
     same = {g: s for g, s in others.items() if vendor(g) == vendor(left_out)}
-    return fit(same, parameters, names=("gemm_fp32_efficiency",))
+    return fit(same, parameters, names=vendor_terms(same))
 
 
 def write_fits(sampled: dict[str, Sampled]) -> int:
     parameters = fit_without(sampled, None)
     for name, file in FIT_FILES.items():
         same = {g: s for g, s in sampled.items() if vendor(g) == name}
-        efficiency = fit(same, parameters, names=("gemm_fp32_efficiency",))["gemm_fp32_efficiency"]
+        terms = vendor_terms(same)
+        fitted = fit(same, parameters, names=terms)
+        bound = sorted(g for g, s in same.items() if s.profile.gpu_facts().fp32_issue_bound)
         body = {"source": "fitted by bench/gpus.py --write-fit across GPUs on NeuSight's single fp32 GEMM calls "
                           "(sitar-lab/NeuSight@6945927, bench/data/neusight-gemm.csv.gz): the FP32 GEMM efficiency on "
-                          f"{', '.join(sorted(same))}; the watts per TFLOP/s per nm (and the launch gap of a call "
-                          "timed alone, a fact of the measurement kept out of the model) on all ten GPUs; every other "
-                          "parameter the base fit's",
+                          f"{', '.join(sorted(same))}"
+                          + (f" and the FP32 issue share on its issue-bound ones, {', '.join(bound)}" if bound else "")
+                          + "; the watts per TFLOP/s per nm (and the launch gap of a call timed alone, a fact of the "
+                            "measurement kept out of the model) on all ten GPUs; every other parameter the base fit's",
                 "base": BASE_FIT,
-                "parameters": {"gemm_fp32_efficiency": efficiency,
-                               "fp32_watts_per_tflop_nm": parameters["fp32_watts_per_tflop_nm"]},
+                "parameters": {"fp32_watts_per_tflop_nm": parameters["fp32_watts_per_tflop_nm"]}
+                | {term: fitted[term] for term in terms},
                 "isolated_call_ns": parameters["isolated_call_ns"]}
         path = devices.FIT_DIR / f"{file}.json"
         path.write_text(json.dumps(body, indent=2) + "\n")

@@ -22,7 +22,7 @@ from .. import store
 from ..errors import UserError
 from ..store import cache_dir  # noqa: F401 (the cache folder, where measured profiles live)
 from ..names import NAME, check_name as check_a_name
-from .gpu import RESIDENT_THREADS, SM_THREADS, GpuFacts, GpuModel
+from .gpu import FP32_ISSUE_BOUND, RESIDENT_THREADS, SM_THREADS, GpuFacts, GpuModel
 from .topology import Topology, check as check_topology, generation as topology_generation
 
 DATA_DIR = Path(__file__).resolve().parent / "device_profiles"
@@ -89,7 +89,8 @@ class DeviceProfile:
                         memory_bytes_per_s=self.memory_bytes_per_s, l2_bytes=self.l2_bytes,
                         power_limit_w=self.power_limit_w, process_nm=self.process_nm,
                         power_cap_w=self.power_cap_w, idle_power_w=self.idle_power_w,
-                        threads_per_sm=RESIDENT_THREADS.get(self.arch, SM_THREADS))
+                        threads_per_sm=RESIDENT_THREADS.get(self.arch, SM_THREADS),
+                        fp32_issue_bound=self.arch in FP32_ISSUE_BOUND)
 
     def gpu_model(self) -> GpuModel:
         return _model(self.gpu_model_fit, tuple(sorted(self.gpu_model_parameters.items())))

@@ -59,6 +59,12 @@ class GpuModel:
     gemm_sm80_efficiency: float = 0.28  # 4- or 8-byte-aligned leading dimensions (CUTLASS sm80 kernels)
     gemm_align1_efficiency: float = 0.16  # odd leading dimensions (cutlass_75 align1 kernels)
     gemm_fp32_efficiency: float = 0.91  # fp32 without TF32, of the FP32 (non-tensor) peak
+    # On SMs whose partitions have as many FP32 lanes as a warp has threads and issue one instruction a clock
+    # (FP32_ISSUE_BOUND), an FP32 GEMM's FFMAs get only the issue slots its loads and address arithmetic leave:
+    # the share of the FP32 peak it keeps beside a 16-lane partition's. Fitted across GPUs (bench/gpus.py):
+    # the instruction mix of cuBLAS's kernels is not published. 1: not applied (the H100 fit's own
+    # efficiency already holds its GPU's share).
+    gemm_fp32_issue_share: float = 1.0
     # torch._grouped_mm (MoE experts; a CUTLASS grouped kernel on sm90): not in the shared H100 data.
     # Set to the published H100 figures of pytorch/ao#2490 (bench_grouped_mm.py, bf16, 8,192 tokens over
     # 16 experts, K x N = 5,120 x 8,192 and 8,192 x 5,120: 1.31 and 1.26 ms; this model gives 1.29 for both).
@@ -153,6 +159,7 @@ class GpuFacts:
     power_cap_w: float = 0.0  # the limit the board is run at, below its nominal one (nvidia-smi -pl); 0: nominal
     idle_power_w: float = 0.0  # what the board draws doing nothing (leakage, memory refresh); 0: unknown
     threads_per_sm: int = 2048  # resident threads per SM (RESIDENT_THREADS by compute capability)
+    fp32_issue_bound: bool = False  # FP32_ISSUE_BOUND: its FFMAs need every issue slot of a partition
 
 
 ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}  # dtypes by fxworkload's names (dtypes.DTYPES; fp8: --fp8 GEMMs)
@@ -169,6 +176,8 @@ def gemm_ns(m: int, k: int, n: int, batch: int, dtype: str, leading_dims: tuple[
     itemsize = ITEMSIZE[dtype]
     if itemsize == 4:
         efficiency = model.gemm_fp32_efficiency * sustained_clock_fraction(facts, model)
+        if facts.fp32_issue_bound:
+            efficiency *= model.gemm_fp32_issue_share
     elif grouped:
         efficiency = model.gemm_grouped_efficiency * capped_clock_fraction(facts)
     else:
@@ -299,6 +308,12 @@ SM_THREADS = 2048  # resident threads per SM (sm60-sm70, sm80, sm87, sm90, sm100
 # The CUDA C++ Programming Guide's "Technical Specifications per Compute Capability": maximum resident
 # threads per SM where it is not 2,048 (Turing 1,024; GA10x and Ada 1,536).
 RESIDENT_THREADS = {"sm75": 1024, "sm86": 1536, "sm89": 1536, "sm120": 1536}
+# Compute capabilities whose SM partitions hold 32 FP32 lanes (128 FP32 results a clock per SM, the CUDA C++
+# Programming Guide's arithmetic-throughput table; 64 on sm60, sm70, sm75 and sm80) behind a scheduler that
+# issues one warp instruction a clock (Volta's and later: GA102, AD102 and GH100 whitepapers): an FFMA every
+# clock leaves no slot for the loads feeding it. A 16-lane partition takes two clocks per warp FFMA, so its
+# other instructions issue between them; Pascal's sm61 (P4: 128 lanes) dispatches two instructions a clock.
+FP32_ISSUE_BOUND = frozenset({"sm86", "sm87", "sm89", "sm90", "sm100", "sm103", "sm120"})
 # layer_norm_kernel.cu: the vectorized forward runs one row per block of 32 x 4 threads, and reads its row
 # twice (compute_stats' Welford pass, then the pass that normalizes and writes it).
 LAYER_NORM_BLOCK_THREADS = 128

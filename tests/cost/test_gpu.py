@@ -288,3 +288,29 @@ def test_sdpas_flash_kernel_on_an_h100_runs_at_flashattention_2s_published_speed
     tflop_per_s = flops / kernels.estimate_ns(sample, load("h100-sxm")) / 1e3
     published = FA2_ON_H100[(direction, causal, seq)]
     assert abs(tflop_per_s / published - 1) < (0.05 if not causal else 0.15), tflop_per_s
+
+
+# Boost clocks from each board's datasheet (NVIDIA's product briefs; the H100's whitepaper), MHz
+BOOST_MHZ = {"h100-sxm": 1980, "l4": 2040, "a100-pcie-80gb": 1410, "a100-pcie-40gb": 1410, "v100-pcie": 1380,
+             "t4": 1590, "p100-pcie": 1303, "p4": 1063}
+
+
+@pytest.mark.parametrize("name", sorted(BOOST_MHZ))
+def test_the_issue_bound_fp32_sms_are_the_128_lane_single_issue_ones(name):
+    """FP32 lanes per SM from the datasheet: the FP32 peak over 2 x SMs x boost clock. The issue share applies
+    where a partition of 32 lanes issues one instruction a clock: 128 lanes an SM from Volta's scheduler on
+    (GA10x, Ada, Hopper), not the 64-lane SMs (P100, V100, T4, A100) nor Pascal's dual-dispatch 128 (P4)."""
+    profile = load(name)
+    lanes = profile.matmul_flops_per_s["fp32"] / (2 * profile.sm_count * BOOST_MHZ[name] * 1e6)
+    assert round(lanes / 64) * 64 in (64, 128) and abs(lanes / (round(lanes / 64) * 64) - 1) < 0.03
+    single_issue = int(profile.arch.removeprefix("sm")) >= 70
+    assert profile.gpu_facts().fp32_issue_bound == (round(lanes / 64) == 2 and single_issue)
+
+
+def test_an_issue_bound_gpus_fp32_gemm_keeps_the_fitted_share_of_its_rate():
+    facts = load("l4").gpu_facts()
+    model = load("l4").gpu_model()
+    assert facts.fp32_issue_bound and model.gemm_fp32_issue_share < 1
+    big = (8192, 8192, 8192, 1, "fp32", (8192, 8192, 8192))
+    unshared = gemm_ns(*big, facts, GpuModel(**{**model.__dict__, "gemm_fp32_issue_share": 1.0}))
+    assert gemm_ns(*big, facts, model) == pytest.approx(unshared / model.gemm_fp32_issue_share, rel=0.01)
