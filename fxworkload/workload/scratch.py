@@ -133,11 +133,12 @@ def _tensor(value) -> torch.Tensor | None:
     return value.meta.get("val") if isinstance(value, torch.fx.Node) else None
 
 
-def _reduction(node: torch.fx.Node, gpu: GpuTarget, accumulates: bool) -> tuple[int, ...]:
+def _reduction(node: torch.fx.Node, gpu: GpuTarget, accumulates: bool, dim_index: int | None) -> tuple[int, ...]:
     x = _tensor(node.args[0])
     if not isinstance(x, torch.Tensor) or not x.dtype.is_floating_point:
         return ()
-    dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    dims = None if dim_index is None else (
+        node.args[dim_index] if len(node.args) > dim_index else node.kwargs.get("dim"))
     dims = range(x.dim()) if dims is None or dims == [] else dims
     if isinstance(dims, int):
         dims = [dims]
@@ -163,8 +164,10 @@ def _cudnn_backward(node: torch.fx.Node, gpu: GpuTarget) -> tuple[int, ...]:
     return (batch * heads * seq_q * (head_dim + 1) * FP32_BYTES,)  # dQ accumulator and softmax sums, one workspace
 
 
-REDUCTIONS = {aten.sum.dim_IntList: True, aten.sum.default: True, aten.mean.dim: True, aten.mean.default: True,
-              aten.linalg_vector_norm.default: True, aten.amax.default: False, aten.amin.default: False}
+# reduction -> (accumulates in fp32, the index of its dims argument; None: over every dim)
+REDUCTIONS = {aten.sum.dim_IntList: (True, 1), aten.sum.default: (True, None), aten.mean.dim: (True, 1),
+              aten.mean.default: (True, None), aten.linalg_vector_norm.default: (True, 2),
+              aten.amax.default: (False, 1), aten.amin.default: (False, 1)}
 KERNELS = {aten._scaled_dot_product_flash_attention_backward.default: _flash_backward,
            aten._scaled_dot_product_cudnn_attention_backward.default: _cudnn_backward}
 
@@ -177,7 +180,7 @@ def scratch_bytes(node: torch.fx.Node, gpu: GpuTarget | None, fused: bool = Fals
     if node.target in KERNELS:
         return KERNELS[node.target](node, gpu)
     if node.target in REDUCTIONS and not fused:
-        return _reduction(node, gpu, REDUCTIONS[node.target])
+        return _reduction(node, gpu, *REDUCTIONS[node.target])
     return ()
 
 

@@ -118,3 +118,20 @@ def test_flash_backward_takes_fp32_accumulators_and_expands_grouped_keys():
     assert scratch_bytes(backward[0], capture.gpu) == (b * h * 128 * 4, b * 128 * h * 32 * 4,
                                                        b * 40 * h * d * 2, b * 40 * h * d * 2)
     assert scratch_bytes(backward[0], None) == ()  # a CPU trace: no CUDA allocator
+
+
+def test_each_reduction_reads_its_dims_from_its_own_argument():
+    """linalg_vector_norm's second argument is its order, its dims the third (native_functions.yaml); a whole-tensor
+    sum takes every dim: over (8,192, 3,072) that is one output, 25 M inputs, a small buffer of 4-byte partials."""
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    x.meta["val"] = torch.empty(8192, 3072, dtype=torch.bfloat16, device="meta")
+    gpu = GpuTarget(arch=(9, 0), **H100)
+    norm = graph.call_function(torch.ops.aten.linalg_vector_norm.default, (x, 2, [0], True))
+    column_sum = graph.call_function(torch.ops.aten.sum.dim_IntList, (x, [0], True))
+    assert scratch_bytes(norm, gpu) == scratch_bytes(column_sum, gpu) == reduce_buffer_bytes(
+        (8192, 3072), (3072, 1), {0}, 4, **H100)
+    whole = graph.call_function(torch.ops.aten.sum.default, (x,))
+    assert scratch_bytes(whole, gpu) == reduce_buffer_bytes((8192 * 3072,), (1,), {0}, 4, **H100)
+    assert 0 < scratch_bytes(whole, gpu)[0] < 1 << 20
+    assert scratch_bytes(column_sum, gpu, fused=True) == ()  # inductor's own reduction kernel
