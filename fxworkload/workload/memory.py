@@ -2,7 +2,9 @@
 
 The graph's nodes are in the order the eager step ran them. Each tensor storage an op creates is
 allocated at that op and released after the last op that reads any view of it (the graph's
-outputs, the loss and the parameter gradients, stay). A forward storage that a backward op reads
+outputs, the loss and the parameter gradients, stay; a value the model's own forward holds, until
+that forward returns). Beside them each kernel's own scratch is made and given back at its op
+(scratch.py). A forward storage that a backward op reads
 is *saved for backward*: it is what a micro-batch holds between its forward and its backward.
 Parameters, buffers and the input ids are resident and not counted here.
 
