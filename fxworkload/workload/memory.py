@@ -70,19 +70,24 @@ def activation_memory(capture: Capture, keep: SavePolicy | None = None) -> Activ
             created[(SCRATCH, node, i)] = (node, allocated_bytes(nbytes))
     last_read: dict[StorageWeakRef, int] = {}
     read_by_backward: set[StorageWeakRef] = set()
+    forward_end = max((position[n] for n in nodes if n.op == "call_function"
+                       and capture.phase.get(n, FORWARD) == FORWARD), default=0)
     for node in nodes:
         backward = node.op == "call_function" and capture.phase.get(node, FORWARD) != FORWARD
+        reader_top = _top_module(capture.module.get(node, "")) if node.op == "call_function" and not backward else None
         for source in node.all_input_nodes:
             keys = [key for key, _ in _storages(source)]
             if backward and keep is not None:
                 reader = capture.owner.get(node)
                 keys = [k for key in keys for k in keep.read_as(key, created, value_of, made_by, resident, reader)]
             for key in keys:
-                last_read[key] = position[node] if node.op != "output" else len(nodes)  # outputs stay
+                read_at = position[node] if node.op != "output" else len(nodes)  # outputs stay
+                if reader_top is not None and _top_module(capture.module.get(made_by.get(key), "")) != reader_top:
+                    read_at = forward_end  # held by the model's own forward (see _top_module)
+                last_read[key] = max(last_read.get(key, 0), read_at)
                 if backward:
                     read_by_backward.add(key)
 
-    _held_by_the_model(capture, nodes, position, created, made_by, last_read)
     outputs = {key for node in nodes if node.op == "output" for source in node.all_input_nodes
                for key, _ in _storages(source)}
     peak = _peak(created, last_read, position, len(nodes), skip=set())
@@ -102,26 +107,12 @@ def activation_memory(capture: Capture, keep: SavePolicy | None = None) -> Activ
                             allocated_peak_bytes=allocated)
 
 
-def _held_by_the_model(capture: Capture, nodes: list, position: dict, created: dict, made_by: dict,
-                       last_read: dict) -> None:
-    """A value passed from one of the model's top-level modules to another, or to the model's own forward (the
-    decoder's last hidden state, the logits the loss reads), is a local variable of that forward in eager
-    PyTorch: it stays referenced until the forward returns, past its last read (transformers'
-    ``CausalLM.forward`` keeps ``outputs`` and ``logits`` while its loss function makes the fp32 copy and the
-    log-softmax). Inside a top-level module the graph's last read stands for the variable's life."""
-    forward = [n for n in nodes if n.op == "call_function" and capture.phase.get(n) == FORWARD]
-    if not forward:
-        return
-    forward_end = position[forward[-1]]
-    for node in forward:
-        reader_top = _top_module(capture.module.get(node, ""))
-        for source in node.all_input_nodes:
-            for key, _ in _storages(source):
-                if key in created and _top_module(capture.module.get(made_by.get(key), "")) != reader_top:
-                    last_read[key] = max(last_read.get(key, 0), forward_end)
-
-
 def _top_module(path: str) -> str:
+    """The top-level module a module path lies in. A value one of the model's top-level modules hands another,
+    or the model's own forward (the decoder's last hidden state, the logits the loss reads), is a local variable
+    of that forward in eager PyTorch: it stays referenced until the forward returns, past its last read
+    (transformers' ``CausalLM.forward`` keeps ``outputs`` and ``logits`` while its loss function makes the fp32
+    copy and the log-softmax). Inside a top-level module the graph's last read stands for the variable's life."""
     return path.partition(".")[0]
 
 
@@ -155,12 +146,13 @@ def replayed_peaks(resident_bytes: list[int], created: dict, last_read: dict, po
             allocator.free(address)
         allocator.reset_peaks()
         held_over, live = [], {}
-        for step in sorted(made.keys() | freed.keys() | (once.keys() if not replayed else set())):
+        first_only = {} if replayed else once
+        for step in sorted(made.keys() | freed.keys() | first_only.keys()):
             for key, nbytes in made.get(step, ()):
                 live[key] = allocator.malloc(nbytes)
                 if key in kept:
                     held_over.append(live[key])
-            for nbytes in once.get(step, ()) if not replayed else ():
+            for nbytes in first_only.get(step, ()):
                 allocator.malloc(nbytes)
             for key in freed.get(step, ()):
                 allocator.free(live.pop(key))
