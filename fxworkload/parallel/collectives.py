@@ -39,20 +39,20 @@ def stage_units(units: list[Unit], stage_layers: range, first: bool, last: bool)
 def add_model_parallel(units: list[Unit], p: Parallel, micro_batch: int, seq: int, hidden: int,
                        act_itemsize: int, top_k: int, rank_kv_bytes: int = 0,
                        recomputed: frozenset[int] = frozenset(), tp_overlap: str = "userbuffers",
-                       gather_itemsize: int | None = None) -> None:
+                       fp8_gathers: bool = False) -> None:
     """Attach the tensor-, context- and expert-parallel collectives to each unit, in the order they run.
     ``seq``: the rank's tokens (seq / cp); ``rank_kv_bytes``: one layer's keys and values on this rank;
     ``recomputed``: the layers whose whole forward runs again before their backward (full recomputation:
     Megatron-Core's CheckpointFunction and torch.utils.checkpoint re-run the block's collectives with it),
     whose backward starts with their forward's collectives again; ``tp_overlap``: how --tp-comm-overlap
-    overlaps a block's (the stack's, workload/stacks.py); ``gather_itemsize``: the bytes of an element of a decoder
-    block's sequence-parallel all-gathers (1 where they move FP8: Workload.fp8_tp_gathers), else ``act_itemsize``.
+    overlaps a block's (the stack's, workload/stacks.py); ``fp8_gathers``: a decoder block's sequence-parallel
+    all-gathers move FP8, one byte an element (Workload.fp8_tp_gathers), not ``act_itemsize``.
     Units of one kind share the same (frozen) Comm objects."""
     act = micro_batch * seq * hidden * act_itemsize
-    gathered = micro_batch * seq * hidden * (gather_itemsize or act_itemsize)
+    fp8_gathered = micro_batch * seq * hidden if fp8_gathers else 0
     tokens = micro_batch * seq // (p.tp if p.sp else 1)
     cp_forward, cp_backward = cp_comms(p, rank_kv_bytes)
-    tp_comms = _tp_comms(p, act, micro_batch * seq * LOSS_BYTES_PER_TOKEN, gathered) if p.tp > 1 else {}
+    tp_comms = _tp_comms(p, act, micro_batch * seq * LOSS_BYTES_PER_TOKEN, fp8_gathered) if p.tp > 1 else {}
     if p.tp_comm_overlap:  # the decoder blocks' linear layers overlap their collectives with their GEMMs
         tp_comms[None] = _overlapped_tp(*tp_comms[None], tp_overlap, p.tp)
     routed = tokens * top_k * hidden * act_itemsize
@@ -96,12 +96,12 @@ def _overlapped_tp(forward: list[Comm], backward: list[Comm], how: str, tp: int)
     return fused, [replace(gather, overlapped=True, beside="dgrad"), scatter]
 
 
-def _tp_comms(p: Parallel, act: int, loss: int, gathered: int | None = None
+def _tp_comms(p: Parallel, act: int, loss: int, fp8_gathered: int = 0
               ) -> dict[str | None, tuple[list[Comm], list[Comm]]]:
     """(forward, backward) tensor-parallel collectives of the embedding, the head and a decoder block (None);
-    ``gathered``: the bytes a decoder block's all-gathers move (``act`` unless they move FP8)."""
-    gathered = act if gathered is None else gathered
-    fp8 = " in FP8" if gathered != act else ""
+    ``fp8_gathered``: the bytes a decoder block's all-gathers move where they move FP8 (0: ``act``, 16-bit)."""
+    gathered = fp8_gathered or act
+    fp8 = " in FP8" if fp8_gathered else ""
     if p.sp:
         block = ([Comm(ALLGATHER, "tp", gathered, f"block input (sequence-parallel){fp8}"),
                   Comm(REDUCESCATTER, "tp", act, "row-parallel output")],

@@ -107,7 +107,7 @@ def with_fp8(workload: Workload, device: DeviceProfile, stack: str | None, recip
         modules.add(row.module)
     removed = workload.saved_bytes - sum(r.saved_bytes for r in rows if isinstance(r, NodeRow))
     return replace(workload, rows=rows, fp8_weight_elements=weights, fp8_modules=frozenset(modules),
-                   fp8_weights_kept=not weights_each_forward, fp8_tp_gathers=True,
+                   fp8_weights_kept=not weights_each_forward,
                    step_peak_bytes=max(workload.step_peak_bytes - removed, 0),
                    activation_peak_bytes=max(workload.activation_peak_bytes - removed, 0))
 

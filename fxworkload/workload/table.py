@@ -122,13 +122,6 @@ class Workload:
     # --fp8: the weights' FP8 copies are made once a step and kept (Transformer Engine); False: cast in every
     # forward and dropped (torchao's dynamic scaling)
     fp8_weights_kept: bool = True
-    # --fp8: the sequence-parallel all-gathers into the FP8 linears move FP8 (one byte an element), as both
-    # recipes run them: torchao's Float8 tensor parallelism (torchao/float8/float8_tensor_parallel.py) casts a
-    # block's input before its all-gather (PrepareFloat8ModuleInput) and a row-parallel output's gradient
-    # before the backward's (Float8RowwiseParallel: "fwd noop bwd cast"); Transformer Engine quantizes the
-    # norm's output before LayerNormLinear's all-gather and gathers grad_output with its quantizer
-    # (transformer_engine/pytorch/module/base.py, grad_output_preprocess). The reduce-scatters stay 16-bit.
-    fp8_tp_gathers: bool = False
     stack: str = "eager"  # the execution stack the rows are costed as (workload/stacks.py)
 
     @classmethod
@@ -145,6 +138,16 @@ class Workload:
         """Activations one micro-batch holds from its forward until its backward (summed once: a
         table is never changed in place, only replaced)."""
         return sum(r.saved_bytes for r in self.node_rows)
+
+    @property
+    def fp8_tp_gathers(self) -> bool:
+        """--fp8: the sequence-parallel all-gathers into the FP8 linears move FP8 (one byte an element), as both
+        recipes run them: torchao's Float8 tensor parallelism (torchao/float8/float8_tensor_parallel.py) casts a
+        block's input before its all-gather (PrepareFloat8ModuleInput) and a row-parallel output's gradient
+        before the backward's (Float8RowwiseParallel: "fwd noop bwd cast"); Transformer Engine quantizes the
+        norm's output before LayerNormLinear's all-gather and gathers grad_output with its quantizer
+        (transformer_engine/pytorch/module/base.py, grad_output_preprocess). The reduce-scatters stay 16-bit."""
+        return bool(self.fp8_modules)
 
     @property
     def node_rows(self) -> list[NodeRow]:

@@ -98,6 +98,7 @@ def test_fp8_tensor_parallelism_gathers_in_fp8(recipe, gathered_itemsize):
     for phase in (FORWARD, INPUT_GRAD):
         layer_comms = [c for u in _units(result) if u.layer is not None for c in u.comms[phase]]
         assert {c.bytes for c in layer_comms if c.type == "ALLGATHER"} == {batch * seq * hidden * gathered_itemsize}
+        assert {c.what.endswith(" in FP8") for c in layer_comms if c.type == "ALLGATHER"} == {recipe is not None}
         assert {c.bytes for c in layer_comms if c.type == "REDUCESCATTER"} == {batch * seq * hidden * 2}
 
 
