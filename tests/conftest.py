@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gzip
+import json
 import os
 import shutil
 from pathlib import Path
@@ -29,6 +31,12 @@ TINY = {
                     intermediate_size=96, vocab_size=96, max_position_embeddings=64, num_local_experts=4,
                     num_experts_per_tok=2, architectures=["MixtralForCausalLM"]),
 }
+
+
+@pytest.fixture(scope="session")
+def alloc_trace() -> dict:
+    """The lent H100's allocator record of GPT-2's build and four steps (tests/fixtures/README.md), read once."""
+    return json.loads(gzip.decompress((FIXTURES / "h100_gpt2_alloc_trace.json.gz").read_bytes()))
 
 
 def tiny_config(model_type: str, **overrides):

@@ -1,22 +1,19 @@
 """The caching allocator's replay against PyTorch's own: a lent H100's allocator trace, and hand-worked
 sequences from CUDACachingAllocator.cpp's rules."""
 
-import gzip
-import json
 from pathlib import Path
 
 import torch
 
 from fxworkload.workload.allocator import CachingAllocator, rounded_bytes, segment_bytes
 
-FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "h100_gpt2_alloc_trace.json.gz"
 MIB = 1 << 20
 
 
-def test_replaying_a_real_step_reserves_what_torch_reserved():
+def test_replaying_a_real_step_reserves_what_torch_reserved(alloc_trace):
     """Every allocation and free torch's allocator recorded over GPT-2's model build and four steps, replayed:
     reserved after each step and the peaks equal, to the byte, what torch.cuda reported on the GPU."""
-    trace = json.loads(gzip.decompress(FIXTURE.read_bytes()))
+    trace = alloc_trace
     starts = trace["step_starts"] + [len(trace["events"])]
     allocator, live = CachingAllocator(), {}
     for step, (begin, end) in enumerate(zip([0] + starts[:-1], starts)):

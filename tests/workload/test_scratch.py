@@ -3,10 +3,6 @@
 computations from the sources each rule follows (Reduce.cuh's setReduceConfig, flash_api.cpp's mha_bwd,
 CublasHandlePool.cpp)."""
 
-import gzip
-import json
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -17,13 +13,8 @@ from fxworkload.workload.scratch import handle_workspaces, reduce_buffer_bytes, 
 
 from ..conftest import tiny_config
 
-FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "h100_gpt2_alloc_trace.json.gz"
 H100 = dict(sm_count=132, threads_per_sm=2048)
 MIB = 1 << 20
-
-
-def _trace() -> dict:
-    return json.loads(gzip.decompress(FIXTURE.read_bytes()))
 
 
 def _scratch_requests(trace: dict) -> list[tuple[int, int]]:
@@ -42,12 +33,12 @@ def _scratch_requests(trace: dict) -> list[tuple[int, int]]:
 
 
 @pytest.mark.parametrize("width", [2304, 3072, 768])
-def test_a_bias_gradients_reduction_buffer_is_the_one_the_h100_allocated(width):
+def test_a_bias_gradients_reduction_buffer_is_the_one_the_h100_allocated(width, alloc_trace):
     """GPT-2's bias gradients sum 8,192 rows of each linear's outputs (c_attn 2,304, c_fc 3,072, the two
     c_proj 768): Reduce.cuh splits each output over ctas_per_output blocks and stages their partials; the
     allocator's record holds exactly these requests, once per layer (twice for the 768-wide ones)."""
     expected = reduce_buffer_bytes((8192, width), (width, 1), {0}, 4, **H100)
-    pairs = _scratch_requests(_trace())
+    pairs = _scratch_requests(alloc_trace)
     assert pairs.count(expected) == (24 if width == 768 else 12)
 
 
@@ -70,11 +61,11 @@ def test_reduction_buffers_worked_by_hand_from_set_reduce_config():
         4 * 3072 * 72 * 32 * 4)
 
 
-def test_the_cublas_workspaces_are_the_ones_the_h100_kept():
+def test_the_cublas_workspaces_are_the_ones_the_h100_kept(alloc_trace):
     """The record's requests of the first step never freed: 32 MiB at the first forward GEMM, 1 MiB after it
     (cuBLASLt's, for addmm's bias epilogue), 32 MiB at the first backward GEMM (autograd's thread, its own
     handle); a tiny GPT-2 traced for an sm90 GPU asks for the same, at the same GEMMs."""
-    trace = _trace()
+    trace = alloc_trace
     begin, end = trace["step_starts"][0], trace["step_starts"][1]
     live = {}
     for index, (action, address, nbytes) in enumerate(trace["events"][:end]):
