@@ -12,16 +12,19 @@ the bytes they read and write (the second pass of softmax's block kernel and of 
 from memory where the rows in flight overflow L2: ``softmax_rereads``, ``layer_norm_rereads``), plus the
 measurement's launch gap.
 
-Three parameters are fitted across GPUs, none per GPU: the FP32 GEMM efficiency of each vendor's library
-(cuBLAS; rocBLAS/Tensile on CDNA), the watts per FP32 TFLOP/s per nm a GEMM draws (which sets the share of
-its boost clock a low-power board holds, gpu.sustained_clock_fraction) and the launch gap of one call timed
-alone (a host fact, kept out of the kernel model: ``isolated_call_ns``). Every other parameter is the H100
-fit's (fits/h100-sxm.json: kernels in one H100's profiler traces), so the memory-bound rows are held out
-whatever GPU is left out.
+Five parameters are fitted across GPUs, none per GPU: the FP32 GEMM efficiency of each vendor's library
+(cuBLAS; rocBLAS/Tensile on CDNA) and the FP32 issue share of NVIDIA's single-issue 128-lane SMs
+(gpu.FP32_ISSUE_BOUND), the watts per FP32 TFLOP/s per nm a GEMM draws (which sets the share of its boost
+clock a low-power board holds, gpu.sustained_clock_fraction), a tile's fixed work beside its main loop in k
+elements (gemm_fp32_tile_overhead_k: what makes attention-shaped GEMMs, k = 64-128, slower per FLOP than
+long-k ones) and the launch gap of one call timed alone (a host fact, kept out of the kernel model:
+``isolated_call_ns``). Every other parameter is the H100 fit's (fits/h100-sxm.json: kernels in one H100's
+profiler traces), so the memory-bound rows are held out whatever GPU is left out.
 
 The first table is the H100 fit on every GPU with no launch gap (what shipped before the cross-GPU fit);
-the second scores each GPU with the three parameters fitted on the others only (leave one GPU out),
-per op class: median signed error (estimated / measured - 1), median and 90th percentile |error|.
+the second scores each GPU with the parameters fitted on the others only (leave one GPU out),
+per op class: median signed error (estimated / measured - 1), median and 90th percentile |error|; the third
+splits the second's GEMM rows by how long a call took (the power limiter's time, see docs/gpu-model.md).
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ BINARY = {"add", "mul", "pow", "div"}  # two tensors in, one out; the rest one i
 GRID = {"gemm_fp32_efficiency": [x / 100 for x in range(40, 131, 2)],
         "fp32_watts_per_tflop_nm": [x / 20 for x in range(10, 61)],
         "gemm_fp32_issue_share": [x / 100 for x in range(40, 101, 2)],
+        "gemm_fp32_tile_overhead_k": [float(x) for x in range(0, 49, 4)],
         "isolated_call_ns": [x * 1000.0 for x in range(0, 25, 1)]}  # at most the fastest call measured (24 us)
 
 
@@ -68,6 +72,16 @@ def op_class(row: dict) -> str:
     if "m" in row:
         return row["op"]
     return {"ln": "layer_norm", "softmax": "softmax"}.get(row["op"], "elementwise")
+
+
+LENGTHS_MS = (32, 512)  # call-length classes of the GEMM rows, measured ms
+
+
+def call_length(row: dict) -> str:
+    """The class of a row's measured call length: under 32 ms, 32-512 ms, at least 512 ms."""
+    short, long = LENGTHS_MS
+    return (f"0-{short} ms" if row["latency_ms"] < short else f"{short}-{long} ms" if row["latency_ms"] < long
+            else f"{long}+ ms")
 
 
 def gemm_shape(row: dict) -> tuple[int, int, int, int]:
@@ -108,21 +122,24 @@ def errors(rows: list[dict], parameters: dict) -> list[float]:
     return out
 
 
-# The fit searches a grid of the product efficiency x sustained clock share; each GEMM row's kernel time is
-# computed exactly (gemm_ns) at every point of it once, and read between points by interpolation.
-PRODUCTS = np.geomspace(0.05, 1.6, 90)
+# The fit searches a grid of the product efficiency x sustained clock share and of the tile overhead; each GEMM
+# row's kernel time is computed exactly (gemm_ns) at every point of PRODUCTS x OVERHEADS once, and read between
+# points by interpolation (a row's time is linear in the overhead while its tile choice holds).
+PRODUCTS = np.geomspace(0.05, 1.6, 45)
+OVERHEADS = (0.0, 16.0, 32.0, 48.0)
 
 
 class Sampled:
-    """One GPU's GEMM rows (every 4th: the fit in a minute), each row's kernel time at every PRODUCTS point."""
+    """One GPU's GEMM rows (every 8th: the fit in a minute), each row's kernel time at every point of the grid."""
 
     def __init__(self, profile_name: str, rows: list[dict]):
         self.profile = devices.load(profile_name)
-        rows = rows[::4]
+        rows = rows[::8]
         self.measured_ms = np.array([row["latency_ms"] for row in rows])
-        self.kernel_ms = np.array([[kernel_ms(row, self.profile, {"gemm_fp32_efficiency": float(p),
-                                                                   "fp32_watts_per_tflop_nm": 0.0})
-                                    for p in PRODUCTS] for row in rows])
+        self.kernel_ms = np.array([[[kernel_ms(row, self.profile, {"gemm_fp32_efficiency": float(p),
+                                                                    "fp32_watts_per_tflop_nm": 0.0,
+                                                                    "gemm_fp32_tile_overhead_k": overhead})
+                                     for p in PRODUCTS] for overhead in OVERHEADS] for row in rows])
 
     def errors(self, parameters: dict) -> np.ndarray:
         model = replace(self.profile.gpu_model(), fp32_watts_per_tflop_nm=parameters["fp32_watts_per_tflop_nm"])
@@ -130,9 +147,13 @@ class Sampled:
         product = parameters["gemm_fp32_efficiency"] * sustained_clock_fraction(facts, model)
         if facts.fp32_issue_bound:
             product *= parameters["gemm_fp32_issue_share"]
+        overhead = parameters["gemm_fp32_tile_overhead_k"]
+        i = int(np.clip(np.searchsorted(OVERHEADS, overhead) - 1, 0, len(OVERHEADS) - 2))
+        share = (overhead - OVERHEADS[i]) / (OVERHEADS[i + 1] - OVERHEADS[i])
+        sampled = self.kernel_ms[:, i] * (1 - share) + self.kernel_ms[:, i + 1] * share
         j = int(np.clip(np.searchsorted(PRODUCTS, product) - 1, 0, len(PRODUCTS) - 2))
         weight = (np.log(product) - np.log(PRODUCTS[j])) / (np.log(PRODUCTS[j + 1]) - np.log(PRODUCTS[j]))
-        kernel = self.kernel_ms[:, j] * (1 - weight) + self.kernel_ms[:, j + 1] * weight
+        kernel = sampled[:, j] * (1 - weight) + sampled[:, j + 1] * weight
         return (kernel + parameters["isolated_call_ns"] / 1e6) / self.measured_ms - 1
 
 
@@ -154,14 +175,14 @@ def fit(sampled: dict[str, Sampled], start: dict, names=tuple(GRID)) -> dict:
     return parameters
 
 
-def table(title: str, scored: dict[tuple[str, str], list[float]]) -> list[list]:
+def table(title: str, scored: dict[tuple[str, str], list[float]], label: str = "op class") -> list[list]:
     rows = []
     for (gpu, group), e in sorted(scored.items()):
         magnitudes = sorted(abs(x) for x in e)
         rows.append([gpu, group, len(e), f"{statistics.median(e):+.1%}", f"{statistics.median(magnitudes):.1%}",
                      f"{magnitudes[int(0.9 * (len(magnitudes) - 1))]:.1%}"])
     print(f"\n{title}")
-    print(tabulate(rows, headers=["profile", "op class", "rows", "median error", "median |error|", "p90 |error|"],
+    print(tabulate(rows, headers=["profile", label, "rows", "median error", "median |error|", "p90 |error|"],
                    tablefmt="github"))
     return rows
 
@@ -194,23 +215,30 @@ def main(argv: list[str] | None = None) -> int:
     sampled = {gpu: Sampled(gpu, [r for r in rows if "m" in r]) for gpu, rows in sorted(by_gpu.items())}
     if args.write_fit:
         return write_fits(sampled)
-    shipped, held_out = {}, {}
+    shipped, held_out, by_length = {}, {}, {}
     for gpu, rows in sorted(by_gpu.items()):
         for row, e in zip(rows, errors(rows, {})):
             shipped.setdefault((gpu, op_class(row)), []).append(e)
         parameters = fit_without(sampled, gpu)
         for row, e in zip(rows, errors(rows, parameters)):
             held_out.setdefault((gpu, op_class(row)), []).append(e)
+            if "m" in row:
+                by_length.setdefault((gpu, call_length(row)), []).append(e)
         print(f"left out {gpu}: fitted on the others {json.dumps(parameters)}", file=sys.stderr)
     table("The H100 fit on every GPU, no launch gap (before the cross-GPU fit)", shipped)
-    table("Leave one GPU out (three cross-GPU parameters fitted on the other GPUs)", held_out)
+    table("Leave one GPU out (the cross-GPU parameters fitted on the other GPUs)", held_out)
+    table("The same GEMM rows by the call's measured length (NeuSight averages the 5 fastest of 25 calls in a "
+          "row: a short call's fastest run before a board's power limiter slows it; a step's GEMMs run back to "
+          "back, at the sustained clock the model gives)", by_length, "GEMM call")
     print(json.dumps({"h100_fit_everywhere": summary(shipped), "leave_one_gpu_out": summary(held_out)}))
     return 0
 
 
 # Fitted on one vendor's GPUs: its FP32 GEMM library's efficiency, and the issue share of the SMs it has
-# (gpu.FP32_ISSUE_BOUND; none of CDNA's, so the AMD fit leaves it at 1)
+# (gpu.FP32_ISSUE_BOUND; none of CDNA's, so the AMD fit leaves it at 1); on every GPU: the power term and a
+# tile's fixed work (facts of the silicon and of how a GEMM kernel is built, not of one library)
 VENDOR_TERMS = ("gemm_fp32_efficiency", "gemm_fp32_issue_share")
+SHARED_TERMS = ("fp32_watts_per_tflop_nm", "gemm_fp32_tile_overhead_k")
 
 
 def vendor_terms(sampled: dict[str, Sampled]) -> tuple[str, ...]:
@@ -224,7 +252,7 @@ def fit_without(sampled: dict[str, Sampled], left_out: str | None) -> dict:
     then the FP32 GEMM efficiency on the left-out GPU's vendor's (CUDA's libraries and CDNA's differ)."""
     others = {g: s for g, s in sampled.items() if g != left_out}
     start = {"gemm_fp32_efficiency": 1.0, "fp32_watts_per_tflop_nm": 0.0, "isolated_call_ns": 0.0,
-             "gemm_fp32_issue_share": 1.0}
+             "gemm_fp32_issue_share": 1.0, "gemm_fp32_tile_overhead_k": 0.0}
     parameters = fit(others, start)
     if left_out is None:
         return parameters
@@ -243,11 +271,11 @@ def write_fits(sampled: dict[str, Sampled]) -> int:
                           "(sitar-lab/NeuSight@6945927, bench/data/neusight-gemm.csv.gz): the FP32 GEMM efficiency on "
                           f"{', '.join(sorted(same))}"
                           + (f" and the FP32 issue share on its issue-bound ones, {', '.join(bound)}" if bound else "")
-                          + "; the watts per TFLOP/s per nm (and the launch gap of a call timed alone, a fact of the "
-                            "measurement kept out of the model) on all ten GPUs; every other parameter the base fit's",
+                          + "; the watts per TFLOP/s per nm and a tile's fixed work in k (and the launch gap of a call "
+                            "timed alone, a fact of the measurement kept out of the model) on all ten GPUs; every other "
+                            "parameter the base fit's",
                 "base": BASE_FIT,
-                "parameters": {"fp32_watts_per_tflop_nm": parameters["fp32_watts_per_tflop_nm"]}
-                | {term: fitted[term] for term in terms},
+                "parameters": {name: parameters[name] for name in SHARED_TERMS} | {term: fitted[term] for term in terms},
                 "isolated_call_ns": parameters["isolated_call_ns"]}
         path = devices.FIT_DIR / f"{file}.json"
         path.write_text(json.dumps(body, indent=2) + "\n")

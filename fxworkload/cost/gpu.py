@@ -9,7 +9,8 @@ H100 and are shipped with their source, or fitted by ``fxworkload calibrate --on
   CTAs, so a last partial wave costs a whole one; split-K cuts k when there are too few tiles, at the
   price of an fp32 reduction. The kernel family follows the operands' leading dimensions: multiples of
   16 bytes run the Hopper/Ampere tensor-core kernels, 4–8-byte multiples sm80 CUTLASS ones, 2-byte
-  (odd element counts) the ``align1`` fallback; fp32 (no TF32) runs on the FP32 units. A thin GEMM is
+  (odd element counts) the ``align1`` fallback; fp32 (no TF32) runs on the FP32 units, each tile paying a
+  fitted fixed work (its prologue's loads and epilogue's stores) as k elements more of its loop. A thin GEMM is
   bound by reading its operands.
 - Power (``sustained_clock_fraction``): an FP32-unit GEMM draws power in proportion to the FLOPs it runs
   (below the voltage floor a clock's power is linear in it), so a board whose power limit is small beside
@@ -65,6 +66,11 @@ class GpuModel:
     # the instruction mix of cuBLAS's kernels is not published. 1: not applied (the H100 fit's own
     # efficiency already holds its GPU's share).
     gemm_fp32_issue_share: float = 1.0
+    # An FP32 (SIMT) GEMM tile's fixed work beside its main loop: the prologue's first loads before any FFMA,
+    # the epilogue's stores of its tm x tn outputs after the last, in k elements of that loop (the tile costs
+    # k + this). Invisible beside a long k; a sixth of a tile's time at attention's k = 64 (12 fitted). Fitted
+    # across GPUs (bench/gpus.py): how much of it other resident CTAs hide is not published. 0: not applied.
+    gemm_fp32_tile_overhead_k: float = 0.0
     # torch._grouped_mm (MoE experts; a CUTLASS grouped kernel on sm90): not in the shared H100 data.
     # Set to the published H100 figures of pytorch/ao#2490 (bench_grouped_mm.py, bf16, 8,192 tokens over
     # 16 experts, K x N = 5,120 x 8,192 and 8,192 x 5,120: 1.31 and 1.26 ms; this model gives 1.29 for both).
@@ -174,6 +180,7 @@ def gemm_ns(m: int, k: int, n: int, batch: int, dtype: str, leading_dims: tuple[
             facts: GpuFacts, model: GpuModel, grouped: bool = False) -> float:
     """``batch`` GEMMs of m×k·k×n in one kernel; ``grouped``: the groups of a grouped GEMM (no split-K)."""
     itemsize = ITEMSIZE[dtype]
+    overhead_k = model.gemm_fp32_tile_overhead_k if itemsize == 4 else 0.0
     if itemsize == 4:
         efficiency = model.gemm_fp32_efficiency * sustained_clock_fraction(facts, model)
         if facts.fp32_issue_bound:
@@ -196,7 +203,7 @@ def gemm_ns(m: int, k: int, n: int, batch: int, dtype: str, leading_dims: tuple[
             if split > 1 and tiles * split > 2 * facts.sm_count:
                 break
             waves = math.ceil(tiles * split / facts.sm_count)
-            seconds = waves * 2 * tm * tn * math.ceil(k / split) / tile_rate
+            seconds = waves * 2 * tm * tn * (math.ceil(k / split) + overhead_k) / tile_rate
             if split > 1:  # fp32 partial tiles written and read back by the reduction
                 seconds += 2 * m * n * batch * split * 4 / bandwidth
             compute_s = min(compute_s, seconds)

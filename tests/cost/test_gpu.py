@@ -314,3 +314,18 @@ def test_an_issue_bound_gpus_fp32_gemm_keeps_the_fitted_share_of_its_rate():
     big = (8192, 8192, 8192, 1, "fp32", (8192, 8192, 8192))
     unshared = gemm_ns(*big, facts, GpuModel(**{**model.__dict__, "gemm_fp32_issue_share": 1.0}))
     assert gemm_ns(*big, facts, model) == pytest.approx(unshared / model.gemm_fp32_issue_share, rel=0.01)
+
+
+def test_an_fp32_tile_costs_its_k_plus_the_fitted_overhead_and_a_tensor_core_tile_its_k():
+    """By hand: 4 SMs at 1 TFLOP/s each, no edge derating or fixed costs, DRAM never the limit. A 512 x 64 x 256
+    fp32 GEMM runs four 128 x 256 tiles in one wave, 2 x 128 x 256 x (64 + 32) FLOPs each: 6,291.456 ns with
+    32 elements of overhead, 4,194.304 without (64 / 96 of it); a bf16 GEMM's tiles take no such term."""
+    facts = GpuFacts(4, {"fp32": 4e12, "bf16": 4e12}, 1e18)
+    bare = GpuModel(gemm_fp32_efficiency=1.0, gemm_tensor_efficiency=1.0, gemm_tile_edge=0.0, gemm_kernel_ns=0.0,
+                    gemm_min_ns=0.0)
+    with_overhead = GpuModel(**{**bare.__dict__, "gemm_fp32_tile_overhead_k": 32.0})
+    shape = (512, 64, 256, 1)
+    assert gemm_ns(*shape, "fp32", (64, 256, 256), facts, with_overhead) == pytest.approx(6291.456, rel=1e-6)
+    assert gemm_ns(*shape, "fp32", (64, 256, 256), facts, bare) == pytest.approx(4194.304, rel=1e-6)
+    assert (gemm_ns(*shape, "bf16", (64, 256, 256), facts, with_overhead)
+            == gemm_ns(*shape, "bf16", (64, 256, 256), facts, bare) == pytest.approx(4194.304, rel=1e-6))
