@@ -300,11 +300,13 @@ def with_model(device: DeviceProfile, model: GpuModel) -> DeviceProfile:
 
 
 def fit(samples: list[Sample], device: DeviceProfile, rounds: int = 6, gap_ns: float | None = None,
-        by_time: bool = False) -> GpuModel:
+        by_time: bool = False, min_gain: float = 0.0) -> GpuModel:
     """Coordinate descent in log steps on each family's median plus 0.3 x p90 absolute relative error;
     rows timed alone (``gap_ns`` given) leave the fixed costs per call as they are. ``by_time``: each
     row counts by its measured time (a step's ops: its few long GEMMs decide it, not its many short
-    ones), as a time-weighted median and 90th percentile."""
+    ones), as a time-weighted median and 90th percentile. ``min_gain``: a step is taken only where it
+    lowers the loss by more than this, and the descent stops at the first round that takes none (a
+    fixed point: refitting its own result changes nothing), after ``rounds`` at most."""
     model = device.gpu_model()
     for family, names in FAMILY_PARAMETERS.items():
         mine = [s for s in samples if s.family == family]
@@ -321,12 +323,15 @@ def fit(samples: list[Sample], device: DeviceProfile, rounds: int = 6, gap_ns: f
 
         best = loss(model)
         for _ in range(rounds):
+            moved = False
             for name in (n for n in names if gap_ns is None or n not in FIXED_COSTS):
                 for step in STEPS:
                     candidate = replace(model, **{name: getattr(model, name) * step})
                     score = loss(candidate)
-                    if score < best:
-                        model, best = candidate, score
+                    if score < best - min_gain:
+                        model, best, moved = candidate, score, True
+            if not moved and min_gain:
+                break
     return model
 
 
