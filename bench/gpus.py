@@ -248,8 +248,9 @@ def vendor_terms(sampled: dict[str, Sampled]) -> tuple[str, ...]:
 
 
 def fit_without(sampled: dict[str, Sampled], left_out: str | None) -> dict:
-    """The three parameters fitted on every GPU but ``left_out``: the power and launch terms on all of them,
-    then the FP32 GEMM efficiency on the left-out GPU's vendor's (CUDA's libraries and CDNA's differ)."""
+    """The cross-GPU parameters fitted on every GPU but ``left_out``: every term on all of them (the power term,
+    the tile overhead and the launch gap kept), then the vendor terms (VENDOR_TERMS) again on the left-out GPU's
+    vendor's (CUDA's libraries and CDNA's differ)."""
     others = {g: s for g, s in sampled.items() if g != left_out}
     start = {"gemm_fp32_efficiency": 1.0, "fp32_watts_per_tflop_nm": 0.0, "isolated_call_ns": 0.0,
              "gemm_fp32_issue_share": 1.0, "gemm_fp32_tile_overhead_k": 0.0}
