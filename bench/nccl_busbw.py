@@ -62,6 +62,18 @@ SMALL = [
 ]
 
 
+# Reduce-scatter bus bandwidth by node count on HGX H100 clusters, as one user reported it (NVIDIA/nccl#1229,
+# 2024-03-16: "when I run GPU cluster(H100) by 4/8/16/32/64/128 nodes ... the bus BW of Reduce-scatter is
+# Linear decline, just like 360,345,320,300,280,260"); eight GPUs a node. The thread gives neither the message
+# size nor the NCCL version, so ours is printed at the sizes nccl-tests runs commonly end at, and no row is
+# scored: what it checks is the slope over 32-1,024 GPUs, which ring latency (nsteps x per-step latency,
+# tuning.cc) sets here.
+SCALING = {"source": "NVIDIA/nccl#1229 (H100, reduce_scatter, size not stated)", "device": "h100-sxm",
+           "collective": "REDUCESCATTER", "busbw_by_nodes": {4: 360.0, 8: 345.0, 16: 320.0, 32: 300.0, 64: 280.0,
+                                                            128: 260.0}}
+SCALING_SIZES = (1 * GIB, 2 * GIB, 4 * GIB, 8 * GIB)
+
+
 def bus_factor(collective: str, ranks: int) -> float:
     return 2 * (ranks - 1) / ranks if collective == "ALLREDUCE" else (ranks - 1) / ranks
 
@@ -96,7 +108,23 @@ def main() -> int:
         device, collective, ranks, nodes, nbytes, forced, published_us, source = row
         call = choose(collective, nbytes, ranks, nodes, devices.load(device).network(), forced)
         print(line(row, str(nbytes), call, call.time_ns / 1e3, published_us, source))
+    scaling()
     return 0
+
+
+def scaling() -> None:
+    """Ours beside NVIDIA/nccl#1229's reduce-scatter bus bandwidths from 4 to 128 nodes, at each candidate size."""
+    network = devices.load(SCALING["device"]).network()
+    print(f"\nby node count, {SCALING['source']}: ours GB/s (error) at each size")
+    print(f"{'ranks':>5} {'nodes':>5} {'published':>9}  " + "  ".join(f"{s // GIB:>3} GiB{'':>8}" for s in SCALING_SIZES))
+    for nodes, published in SCALING["busbw_by_nodes"].items():
+        ranks = 8 * nodes
+        cells = []
+        for nbytes in SCALING_SIZES:
+            call = choose(SCALING["collective"], nbytes, ranks, nodes, network, ())
+            ours = nbytes / call.time_ns * bus_factor(SCALING["collective"], ranks)
+            cells.append(f"{ours:>6.1f} ({ours / published - 1:>+6.1%})")
+        print(f"{ranks:>5} {nodes:>5} {published:>9.1f}  " + "  ".join(cells))
 
 
 if __name__ == "__main__":
