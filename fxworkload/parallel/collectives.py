@@ -23,6 +23,7 @@ from operator import attrgetter
 from ..capture.trace import FORWARD, INPUT_GRAD, WEIGHT_GRAD
 from ..memo import Memo
 from .layout import Parallel
+from .recompute import is_recomputed
 from .units import EMBEDDING, HEAD, Comm, Unit, is_expert
 
 ALLREDUCE, ALLGATHER, REDUCESCATTER, ALLTOALL = "ALLREDUCE", "ALLGATHER", "REDUCESCATTER", "ALLTOALL"
@@ -56,7 +57,8 @@ def add_model_parallel(units: list[Unit], p: Parallel, micro_batch: int, seq: in
     if p.tp_comm_overlap:  # the decoder blocks' linear layers overlap their collectives with their GEMMs
         tp_comms[None] = _overlapped_tp(*tp_comms[None], tp_overlap, p.tp)
     routed = tokens * top_k * hidden * act_itemsize
-    ep_comms = [[Comm(ALLTOALL, "ep", routed, f"token {what} ({phase})") for what in ("dispatch", "combine")]
+    ep_comms = [[Comm(ALLTOALL, "ep", routed, f"token {what} ({phase})",
+                      follows_gemm=what == "combine" and phase == "forward") for what in ("dispatch", "combine")]
                 for phase in ("forward", "backward")] if p.ep > 1 else None
     again: dict[tuple[Comm, ...], list[Comm]] = {}
     for unit in units:
@@ -72,8 +74,15 @@ def add_model_parallel(units: list[Unit], p: Parallel, micro_batch: int, seq: in
             fwd.extend(ep_comms[0])
             bwd.extend(ep_comms[1])
         if unit.layer in recomputed and fwd:  # the same forward collectives, so the same Comms again
-            key = tuple(fwd)
+            key = tuple(fwd if _last_gemm_recomputed(unit) else [c for c in fwd if not c.follows_gemm])
             bwd[:0] = again.setdefault(key, [replace(c, what=f"{c.what}, recomputed forward") for c in key])
+
+
+def _last_gemm_recomputed(unit: Unit) -> bool:
+    """Whether the unit's last GEMM runs again in its backward (recompute.py: not under torch.compile's
+    partitioner when only the residual add reads its output)."""
+    gemm = next((row for row in reversed(unit.rows) if row.forward.kind == "matmul"), None)
+    return gemm is None or is_recomputed(gemm)
 
 
 def _overlapped_tp(forward: list[Comm], backward: list[Comm], how: str, tp: int) -> tuple[list[Comm], list[Comm]]:
@@ -104,11 +113,11 @@ def _tp_comms(p: Parallel, act: int, loss: int, fp8_gathered: int = 0
     fp8 = " in FP8" if fp8_gathered else ""
     if p.sp:
         block = ([Comm(ALLGATHER, "tp", gathered, f"block input (sequence-parallel){fp8}"),
-                  Comm(REDUCESCATTER, "tp", act, "row-parallel output")],
+                  Comm(REDUCESCATTER, "tp", act, "row-parallel output", follows_gemm=True)],
                  [Comm(ALLGATHER, "tp", gathered, f"row-parallel output gradient{fp8}"),
                   Comm(REDUCESCATTER, "tp", act, "column-parallel input gradient")])
     else:
-        block = ([Comm(ALLREDUCE, "tp", act, "row-parallel output")],
+        block = ([Comm(ALLREDUCE, "tp", act, "row-parallel output", follows_gemm=True)],
                  [Comm(ALLREDUCE, "tp", act, "column-parallel input gradient")])
     embedding = ([Comm(REDUCESCATTER if p.sp else ALLREDUCE, "tp", act, "vocab-parallel embedding output")],
                  [Comm(ALLGATHER, "tp", act, "embedding output gradient")] if p.sp else [])

@@ -5,7 +5,15 @@
   backward; what it saved is dropped and what it is re-made from (its inputs, Q, K and V) is kept:
   each row's ``selective_saved_bytes``, read off the graph with the core's ops not kept.
 - ``full``: each recomputed layer keeps only its input (batch x seq x hidden, 1/tp of it with
-  sequence parallelism); its whole forward runs again in backward.
+  sequence parallelism); its whole forward runs again in backward. Under torch.compile (a stack whose
+  saves are AOTAutograd's partitioner's) only what the layer's backward reads runs again: the
+  checkpointed region's ops are tagged to be recomputed (torch/_higher_order_ops/wrap.py, a policy that
+  always prefers recomputing), and the min-cut partitioner puts into the backward graph only the
+  forward nodes the backward's own nodes need (torch/_functorch/partitioners.py, ``classify_nodes``'s
+  ``required_bw_nodes``). A block's last GEMM (o_proj's or down_proj's row-parallel linear, whose output
+  only the residual add reads) and what follows it are not run again: the forward up to the layer's last
+  row whose output its backward reads (the row's ``saved_bytes``; the layer's final row, its output,
+  is the next layer's kept input, not its own backward's).
 
 - ``op``: torchtitan's op-level selective checkpointing of each layer (workload/stacks.py): torch's
   selective checkpoint keeps the layer's input and the output of every op its policy saves (GEMMs
@@ -29,7 +37,7 @@ from ..capture.trace import INPUT_GRAD
 from ..cost.flops import base_name
 from ..workload.layers import layer_of
 from ..workload.memory import allocated_bytes
-from ..workload.stacks import op_level_recomputed
+from ..workload.stacks import STACKS, op_level_recomputed
 from ..workload.table import NodeRow, OpCost, Workload
 from .layout import Parallel, virtual_stage_layers
 
@@ -57,13 +65,15 @@ def with_recompute(workload: Workload, parallel: Parallel, stack: str | None, la
         return copies[id(op)]
 
     again_op = _op_level_rows(workload, stack) if parallel.recompute == "op" else set()
+    reads_only = parallel.recompute == "full" and STACKS[workload.stack].keeps == "partitioner"
+    read = _read_rows(workload, stack) if reads_only else set()
     rows, seen_layers, dropped = [], set(), {}
     for row in workload.rows:
         layer = layer_of(row.module, stack) if isinstance(row, NodeRow) else None
         if layer not in chosen:
             rows.append(row)
             continue
-        recomputed = {"full": True, "selective": row.forward.sdpa_backend is not None,
+        recomputed = {"full": not reads_only or id(row) in read, "selective": row.forward.sdpa_backend is not None,
                       "op": id(row) in again_op}[parallel.recompute]
         if parallel.recompute == "selective":
             saved = row.selective_saved_bytes
@@ -78,6 +88,26 @@ def with_recompute(workload: Workload, parallel: Parallel, stack: str | None, la
         again_first = [again(row.forward)] if recomputed else []
         rows.append(row.with_ops(row.forward, again_first + row.input_grad, row.weight_grad, saved_bytes=saved))
     return replace(workload, rows=rows), max(dropped.values(), default=0)
+
+
+def is_recomputed(row: NodeRow) -> bool:
+    """Whether the row's forward op runs again in backward (its copy heads the row's input-gradient ops)."""
+    return bool(row.input_grad) and row.input_grad[0].fx_name == row.forward.fx_name
+
+
+def _read_rows(workload: Workload, stack: str | None) -> set[int]:
+    """The rows (by id) of each layer up to the last whose output the layer's own backward reads: what the
+    partitioner recomputes of a checkpointed layer (module docstring). The layer's final row is its output."""
+    by_layer: dict[int, list[NodeRow]] = {}
+    for row in workload.node_rows:
+        layer = layer_of(row.module, stack)
+        if layer is not None:
+            by_layer.setdefault(layer, []).append(row)
+    read = set()
+    for rows in by_layer.values():
+        last = max((i for i, row in enumerate(rows[:-1]) if row.saved_bytes), default=-1)
+        read.update(id(row) for row in rows[:last + 1])
+    return read
 
 
 def _op_level_rows(workload: Workload, stack: str | None) -> set[int]:

@@ -35,6 +35,9 @@ class Comm:
     # whether that copy converts dtypes
     copy_bytes: int = 0
     copy_casts: bool = False
+    # reads the output of the unit's last GEMM (a row-parallel output's reduction, MoE's combine): a
+    # recomputation that stops before that GEMM (torch.compile's partitioner: recompute.py) does not run it again
+    follows_gemm: bool = False
 
 
 @dataclass

@@ -145,3 +145,70 @@ def test_op_level_recomputation_keeps_what_torchs_selective_checkpoint_keeps(tmp
     assert abs(freed - oracle) / oracle <= 0.02, (freed, oracle)
     added_ns = op_level.totals[f"{INPUT_GRAD}_estimated_ns"] - plain.totals[f"{INPUT_GRAD}_estimated_ns"]
     assert added_ns > 0  # the recomputed ops run in backward
+
+
+def _partitioned_mm_counts(config) -> tuple[int, int]:
+    """torch.compile's own answer: the aten.mm nodes AOTAutograd's min-cut partitioner puts into the forward
+    and the backward graph of one decoder layer wrapped in torch.utils.checkpoint (full recomputation)."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+    from torch.utils.checkpoint import checkpoint
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(config)
+    layer, rope = model.model.layers[0], model.model.rotary_emb
+    hidden = torch.randn(BATCH, SEQ, config.hidden_size, requires_grad=True)
+    cos_sin = rope(hidden, torch.arange(SEQ)[None].expand(BATCH, -1))
+    graphs = []
+
+    def kept(graph_module, _inputs):
+        graphs.append(graph_module)
+        return make_boxed_func(graph_module.forward)
+
+    def block(h):
+        out = layer(h, position_embeddings=cos_sin)
+        return out[0] if isinstance(out, tuple) else out
+
+    compiled = torch.compile(lambda h: checkpoint(block, h, use_reentrant=False), fullgraph=True,
+                             backend=aot_autograd(fw_compiler=kept, bw_compiler=kept))
+    compiled(hidden).sum().backward()
+    torch._dynamo.reset()
+    forward, backward = ([n for n in g.graph.nodes if n.target == torch.ops.aten.mm.default] for g in graphs)
+    return len(forward), len(backward)
+
+
+def test_compiled_full_recomputation_runs_again_only_what_backward_reads(tmp_path):
+    """Under torch.compile the partitioner recomputes only what a checkpointed layer's backward reads: not
+    down_proj, whose output only the residual add reads. Oracle: the GEMMs torch's partitioner puts into the
+    backward graph of the same layer; eager checkpointing runs every forward GEMM again."""
+    config = tiny_config("llama", num_hidden_layers=1)
+    config.save_pretrained(tmp_path)
+    forward_mm, backward_mm = _partitioned_mm_counts(config)
+    assert (forward_mm, backward_mm) == (7, 20)  # q k v o gate up down; their 14 gradients and 6 again
+
+    def backward_gemms(stack):
+        run = extract(str(tmp_path), batch=BATCH, seq=SEQ, stack=stack, trace_on="cpu",
+                      parallel=Parallel(recompute="full"))
+        return [op for row in _layer_rows(run, {0}) for op in row.input_grad + row.weight_grad
+                if op.op == "aten.mm.default"]
+
+    compiled, eager = backward_gemms("compiled"), backward_gemms("eager")
+    assert len(compiled) == backward_mm
+    assert len(eager) == 2 * forward_mm + forward_mm
+
+
+def test_compiled_full_recomputation_does_not_reduce_the_mlp_output_again(four_layers):
+    """With tensor and sequence parallelism, the recomputed MLP of a compiled layer stops before down_proj, so
+    its row-parallel output's reduce-scatter does not run again; the attention's (o_proj's output feeds the
+    MLP's norm) does. Eager checkpointing runs both again."""
+    def recomputed_scatters(stack):
+        run = extract(four_layers, batch=BATCH, seq=SEQ, stack=stack, device="h100-sxm",
+                      parallel=Parallel(tp=2, sp=True, recompute="full"))
+        return {u.block: [c.what for c in u.comms[INPUT_GRAD] if "recomputed" in c.what]
+                for u in run.rank.units if u.layer == 0}
+
+    compiled, eager = recomputed_scatters("compiled"), recomputed_scatters("eager")
+    assert compiled["attention"] == eager["attention"] == [
+        "block input (sequence-parallel), recomputed forward", "row-parallel output, recomputed forward"]
+    assert eager["mlp"] == eager["attention"]
+    assert compiled["mlp"] == ["block input (sequence-parallel), recomputed forward"]
