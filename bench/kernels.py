@@ -28,9 +28,21 @@ from tabulate import tabulate
 
 from fxworkload.cost import devices
 from fxworkload.cost.devices import FIT_DIR
+from fxworkload.cost.gpu import GpuModel
 from fxworkload.errors import UserError
 from fxworkload.pipeline import trace_target
 from fxworkload.measure import kernels
+
+
+def _written(model, flash_from_paper: bool) -> dict:
+    """The parameters a refit writes: those it fitted (and FlashAttention-2's, from the paper's speeds), and any
+    other that is not GpuModel's default; the rest are left to the defaults, whose comments give their sources,
+    so that the file does not present a default as a fit of these data."""
+    fitted = {name for names in kernels.FAMILY_PARAMETERS.values() for name in names}
+    if flash_from_paper:
+        fitted |= {"flash_forward_efficiency", "flash_backward_efficiency"}
+    defaults = GpuModel().as_dict()
+    return {name: value for name, value in model.as_dict().items() if name in fitted or value != defaults[name]}
 
 
 def _p90(values: list[float]) -> float:
@@ -102,7 +114,7 @@ def main() -> int:
                                                   "; flash_forward/backward_efficiency on FlashAttention-2's H100 speeds "
                                                   "in the FlashAttention-3 paper (bench/attention.py --fit)"
                                                   if flash_from_paper else ""),
-                                    "parameters": model.as_dict(),
+                                    "parameters": _written(model, flash_from_paper),
                                     "host": "host_dispatch_ns and host_output_ns are the host CPU's beside the "
                                             "measured H100 (back-to-back eager calls; its CPU model is not recorded "
                                             "with the data): a GPU profile assumes that host",
