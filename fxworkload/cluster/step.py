@@ -606,9 +606,14 @@ def _fp8_weight_cast_ns(chunks: list[list[Unit]], workload: Workload, device: De
 
 
 def _optimizer_ns(chunks: list[list[Unit]], p: Parallel, dtype: str, grad_dtype: str, device: DeviceProfile) -> float:
-    parameters = sum(g.elements for units in chunks for u in units for g in u.grads)
+    """The optimizer step of the rank's shard: with the distributed optimizer (ZeRO 1+) dense parameters are
+    divided over the data-parallel group and expert ones over the expert-data-parallel group (dp / ep ranks),
+    as their memory is (parallel/memory.py, model_state_bytes)."""
+    grads = [g for units in chunks for u in units for g in u.grads]
+    expert = sum(g.elements for g in grads if is_expert(g.module))
+    parameters = sum(g.elements for g in grads)
     if p.zero >= 1:
-        parameters /= p.replicas
+        parameters = (parameters - expert) / p.replicas + expert / max(p.replicas // p.ep, 1)
     states = ADAM_BYTES_PER_PARAMETER["fp32" if dtype == "fp32" else "mixed"]
     per_parameter = OPTIMIZER_PASSES * states + DTYPES[grad_dtype].itemsize + DTYPES[dtype].itemsize
     on_gpu_ns = parameters * (1 - p.optimizer_offload) * per_parameter / (

@@ -132,3 +132,26 @@ def test_plan_says_which_layouts_only_offload_makes_fit_and_what_they_cost():
     assert "8 layers' activations on the host) holds 15.0 GiB less on the GPU" in lines[0]
     assert lines[1] == ("offload: its step 9100 ms against 8400 ms on the GPU (activation offload 700 ms against "
                         "0 ms)")
+
+
+def test_expert_parameters_step_over_the_expert_data_parallel_group(tiny_dirs, tmp_path):
+    """With the distributed optimizer, expert parameters are sharded over the expert-data-parallel group (dp / ep
+    ranks: Megatron-Core's expert-data-parallel group), dense ones over dp. Mixtral at dp 2, ep 2: the rank steps
+    half the dense parameters and its whole half of the experts, counted from the model's own parameters."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    from ..conftest import tiny_config
+
+    model = AutoModelForCausalLM.from_config(tiny_config("mixtral"))
+    expert = sum(p.numel() for name, p in model.named_parameters() if ".experts." in name)
+    dense = sum(p.numel() for p in model.parameters()) - expert
+    shard = dense / 2 + expert / 2  # the rank's half of the experts, not divided again (expert-dp = 1)
+    out = tmp_path / "o"
+    run = fxworkload("extract", tiny_dirs["mixtral"], "--seq", 16, "--dp", 2, "--ep", 2, "--zero", 1, "--dtype",
+                     "bf16", "--optimizer-offload", 1, "--device", "h100-sxm", "--out", out)
+    assert run.returncode == 0, run.stderr
+    step = json.loads((out / "workload.json").read_text())
+    host = offloaded_step_ns(shard, 4, devices.load("h100-sxm"))
+    assert step["cluster"]["exposed_ns"]["optimizer"] == pytest.approx(max(host.values()), rel=1e-3)
