@@ -12,11 +12,14 @@ host CPU (megatron/core/optimizer/cpu_offloading/hybrid_optimizer.py):
   gradient lands, and copies it back on an H2D stream as the next one steps: the three stages pipeline
   over the parameters, so the offloaded share takes the longest of them, beside the GPU's share.
 
-The CPU's Adam is torch.optim.AdamW on CPU tensors (Megatron-Core's cpu_optimizer_cls), which runs its
-single-tensor loop there (torch/utils/_foreach_utils.py: foreach kernels are for CUDA-like devices only;
-torch/optim/adam.py _single_tensor_adam): eight whole-tensor passes a parameter (weight decay, lerp of the
-first moment, mul and addcmul of the second, sqrt, divide and add for the denominator, addcdiv into the
-parameter), 20 fp32 reads and writes, 80 bytes a parameter, at the GPU's share of the host's DRAM bandwidth.
+The CPU's Adam is torch.optim.AdamW on CPU tensors with ``fused=True`` (Megatron-Core's cpu_optimizer_cls and
+its defaults, megatron/core/optimizer/__init__.py: "this flag is used to improve the performance of the cpu
+optimizer"): torch's fused kernel (aten/src/ATen/native/cpu/FusedAdamKernel.cpp) steps each element in one
+pass, reading the parameter, its gradient and both moments and writing the parameter and the moments: 7 fp32
+values, 28 bytes a parameter, at the GPU's share of the host's DRAM bandwidth. (Without ``fused`` it runs its
+single-tensor loop: eight whole-tensor passes, 80 bytes.) How many CPU threads step it is the launcher's:
+torchrun with several processes a node and Ray's actors set OMP_NUM_THREADS=1, where one core's bandwidth,
+not the DRAM share, bounds it; that is not modelled (docs/cluster.md).
 Links and DRAM reach a share of their datasheet rates (assumed, as no measurement is at hand):
 """
 
@@ -27,7 +30,7 @@ from ..errors import UserError
 
 HOST_LINK_EFFICIENCY = 0.8  # assumed: pinned cudaMemcpyAsync over PCIe Gen4/5 x16 reaches about 80 % of the raw rate
 HOST_MEMORY_EFFICIENCY = 0.7  # assumed: a streaming CPU kernel over both sockets' DDR reaches about 70 % of peak
-CPU_ADAM_BYTES_PER_PARAMETER = 80  # torch's single-tensor AdamW: 20 fp32 reads and writes in 8 passes (above)
+CPU_ADAM_BYTES_PER_PARAMETER = 28  # torch's fused AdamW on CPU: 4 fp32 reads and 3 writes in one pass (above)
 MAIN_PARAMETER_BYTES = 4  # the fp32 main parameter copied back to the GPU
 # what the GPU frees and the host holds per offloaded parameter: parallel/memory.py
 

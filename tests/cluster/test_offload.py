@@ -28,20 +28,21 @@ def _pipelined_ns(count: int, d2h: float, cpu: float, h2d: float) -> float:
 
 def test_the_offloaded_share_takes_its_slowest_stage_as_the_hand_built_pipeline_does():
     """1e9 parameters of an H100's shard: gradients (4 bytes) over PCIe Gen5 x16 at 80 % of 64 GB/s, the CPU's
-    Adam (80 bytes a parameter) at 70 % of the GPU's 76.8 GB/s share of DDR5, the fp32 parameters back. Split
+    Adam (28 bytes a parameter) at 70 % of the GPU's 76.8 GB/s share of DDR5, the fp32 parameters back. Split
     into 2,000 parameters, the hand-built pipeline ends within 0.2 % of the model's slowest stage."""
     h100 = devices.load("h100-sxm")
     stages = offloaded_step_ns(1e9, 4, h100)
     assert stages["d2h"] == pytest.approx(1e9 * 4 / (64e9 * HOST_LINK_EFFICIENCY) * 1e9)
-    assert stages["cpu_adam"] == pytest.approx(1e9 * 80 / (76.8e9 * HOST_MEMORY_EFFICIENCY) * 1e9)
+    assert stages["cpu_adam"] == pytest.approx(1e9 * 28 / (76.8e9 * HOST_MEMORY_EFFICIENCY) * 1e9)
     timeline = _pipelined_ns(2000, *(stages[k] / 2000 for k in ("d2h", "cpu_adam", "h2d")))
     assert max(stages.values()) == pytest.approx(timeline, rel=2e-3)
 
 
-def test_the_cpu_adam_moves_what_torchs_own_adamw_moves_on_cpu_tensors():
-    """The oracle is torch: AdamW (weight decay on, as Megatron-Core's) stepped on a CPU parameter under a
-    dispatch mode that adds up, for every aten op it runs, the bytes of the parameter-sized tensors it reads
-    and writes (an in-place op's tensor read and written). Per parameter that is the CPU Adam's bytes."""
+def test_the_cpu_adam_moves_what_torchs_own_fused_adamw_moves_on_cpu_tensors():
+    """The oracle is torch: AdamW as Megatron-Core builds its CPU optimizer (fused, weight decay on) stepped on a
+    CPU parameter under a dispatch mode that adds up, for every aten op it runs, the bytes of the parameter-sized
+    tensors it reads, those it changes in place (a tensor whose values the op altered) and those it returns
+    new. Per parameter that is the CPU Adam's bytes."""
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_leaves
 
@@ -50,18 +51,22 @@ def test_the_cpu_adam_moves_what_torchs_own_adamw_moves_on_cpu_tensors():
     n = 1 << 14
     parameter = torch.nn.Parameter(torch.randn(n))
     parameter.grad = torch.randn(n)
-    optimizer = torch.optim.AdamW([parameter], lr=1e-3, weight_decay=0.01)
+    optimizer = torch.optim.AdamW([parameter], lr=1e-3, weight_decay=0.01, fused=True)
     optimizer.step()  # the moments made
+
+    def sized(tree):
+        return [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor) and t.numel() == n]
 
     class Moved(TorchDispatchMode):
         total = 0
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            inputs = {t.untyped_storage().data_ptr(): t for t in sized((args, kwargs or {}))}
+            before = {ptr: t.clone() for ptr, t in inputs.items()}
             out = func(*args, **(kwargs or {}))
-            sized = [t for t in tree_leaves((args, kwargs or {})) if isinstance(t, torch.Tensor) and t.numel() == n]
-            read = {t.untyped_storage().data_ptr(): t.nbytes for t in sized}  # a tensor read twice is read once
-            written = [t.nbytes for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.numel() == n]
-            Moved.total += sum(read.values()) + sum(written)
+            changed = [t.nbytes for ptr, t in inputs.items() if not torch.equal(t, before[ptr])]
+            fresh = [t.nbytes for t in sized(out) if t.untyped_storage().data_ptr() not in inputs]
+            Moved.total += sum(t.nbytes for t in inputs.values()) + sum(changed) + sum(fresh)
             return out
 
     with Moved():
