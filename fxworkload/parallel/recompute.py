@@ -97,7 +97,8 @@ def is_recomputed(row: NodeRow) -> bool:
 
 def _read_rows(workload: Workload, stack: str | None) -> set[int]:
     """The rows (by id) of each layer up to the last whose output the layer's own backward reads: what the
-    partitioner recomputes of a checkpointed layer (module docstring). The layer's final row is its output."""
+    partitioner recomputes of a checkpointed layer (module docstring). The layer's final row is its output,
+    which the next layer keeps: it counts only for what it saves beyond that (a closing norm's statistics)."""
     by_layer: dict[int, list[NodeRow]] = {}
     for row in workload.node_rows:
         layer = layer_of(row.module, stack)
@@ -105,7 +106,8 @@ def _read_rows(workload: Workload, stack: str | None) -> set[int]:
             by_layer.setdefault(layer, []).append(row)
     read = set()
     for rows in by_layer.values():
-        last = max((i for i, row in enumerate(rows[:-1]) if row.saved_bytes), default=-1)
+        last = len(rows) - 1 if rows[-1].saved_bytes > _output_bytes(rows[-1].forward) else max(
+            (i for i, row in enumerate(rows[:-1]) if row.saved_bytes), default=-1)
         read.update(id(row) for row in rows[:last + 1])
     return read
 

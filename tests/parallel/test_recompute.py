@@ -147,18 +147,21 @@ def test_op_level_recomputation_keeps_what_torchs_selective_checkpoint_keeps(tmp
     assert added_ns > 0  # the recomputed ops run in backward
 
 
-def _partitioned_mm_counts(config) -> tuple[int, int]:
-    """torch.compile's own answer: the aten.mm nodes AOTAutograd's min-cut partitioner puts into the forward
-    and the backward graph of one decoder layer wrapped in torch.utils.checkpoint (full recomputation)."""
+def _partitioned_gemm_counts(config) -> tuple[int, int]:
+    """torch.compile's own answer: the GEMM nodes (aten.mm, aten.addmm) AOTAutograd's min-cut partitioner puts
+    into the forward and the backward graph of one layer wrapped in torch.utils.checkpoint (full recomputation)."""
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
     from torch.utils.checkpoint import checkpoint
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
 
-    model = AutoModelForCausalLM.from_config(config)
-    layer, rope = model.model.layers[0], model.model.rotary_emb
     hidden = torch.randn(BATCH, SEQ, config.hidden_size, requires_grad=True)
-    cos_sin = rope(hidden, torch.arange(SEQ)[None].expand(BATCH, -1))
+    if config.model_type == "bert":
+        layer, kwargs = AutoModelForMaskedLM.from_config(config).bert.encoder.layer[0], {}
+    else:
+        model = AutoModelForCausalLM.from_config(config)
+        layer = model.model.layers[0]
+        kwargs = {"position_embeddings": model.model.rotary_emb(hidden, torch.arange(SEQ)[None].expand(BATCH, -1))}
     graphs = []
 
     def kept(graph_module, _inputs):
@@ -166,35 +169,42 @@ def _partitioned_mm_counts(config) -> tuple[int, int]:
         return make_boxed_func(graph_module.forward)
 
     def block(h):
-        out = layer(h, position_embeddings=cos_sin)
+        out = layer(h, **kwargs)
         return out[0] if isinstance(out, tuple) else out
 
     compiled = torch.compile(lambda h: checkpoint(block, h, use_reentrant=False), fullgraph=True,
                              backend=aot_autograd(fw_compiler=kept, bw_compiler=kept))
     compiled(hidden).sum().backward()
     torch._dynamo.reset()
-    forward, backward = ([n for n in g.graph.nodes if n.target == torch.ops.aten.mm.default] for g in graphs)
+    gemm = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default}
+    forward, backward = ([n for n in g.graph.nodes if n.target in gemm] for g in graphs)
     return len(forward), len(backward)
 
 
-def test_compiled_full_recomputation_runs_again_only_what_backward_reads(tmp_path):
-    """Under torch.compile the partitioner recomputes only what a checkpointed layer's backward reads: not
-    down_proj, whose output only the residual add reads. Oracle: the GEMMs torch's partitioner puts into the
-    backward graph of the same layer; eager checkpointing runs every forward GEMM again."""
-    config = tiny_config("llama", num_hidden_layers=1)
-    config.save_pretrained(tmp_path)
-    forward_mm, backward_mm = _partitioned_mm_counts(config)
-    assert (forward_mm, backward_mm) == (7, 20)  # q k v o gate up down; their 14 gradients and 6 again
+# model type: the GEMMs torch's partitioner puts in the forward and the backward graph of a checkpointed layer
+PARTITIONED = {"llama": (7, 20),  # q k v o gate up down; their 14 gradients and 6 again: not down_proj
+               "bert": (6, 18)}  # post-norm: the closing LayerNorm's backward reads its input, so every GEMM again
 
-    def backward_gemms(stack):
+
+@pytest.mark.parametrize("model_type", PARTITIONED)
+def test_compiled_full_recomputation_runs_again_only_what_backward_reads(model_type, tmp_path):
+    """Under torch.compile the partitioner recomputes only what a checkpointed layer's backward reads: not a
+    Llama layer's down_proj, whose output only the residual add reads; every GEMM of a post-norm BERT layer.
+    Oracle: the GEMMs torch's partitioner puts into the backward graph of the same layer (checked against the
+    counts above); eager checkpointing runs every forward GEMM again."""
+    config = tiny_config(model_type, num_hidden_layers=1)
+    config.save_pretrained(tmp_path)
+    forward_gemms, backward_gemms = _partitioned_gemm_counts(config)
+    assert (forward_gemms, backward_gemms) == PARTITIONED[model_type]
+
+    def ours(stack):
         run = extract(str(tmp_path), batch=BATCH, seq=SEQ, stack=stack, trace_on="cpu",
                       parallel=Parallel(recompute="full"))
         return [op for row in _layer_rows(run, {0}) for op in row.input_grad + row.weight_grad
-                if op.op == "aten.mm.default"]
+                if op.op in ("aten.mm.default", "aten.addmm.default")]
 
-    compiled, eager = backward_gemms("compiled"), backward_gemms("eager")
-    assert len(compiled) == backward_mm
-    assert len(eager) == 2 * forward_mm + forward_mm
+    assert len(ours("compiled")) == backward_gemms
+    assert len(ours("eager")) == 3 * forward_gemms
 
 
 def test_compiled_full_recomputation_does_not_reduce_the_mlp_output_again(four_layers):
