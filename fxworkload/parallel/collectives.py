@@ -24,7 +24,7 @@ from ..capture.trace import FORWARD, INPUT_GRAD, WEIGHT_GRAD
 from ..memo import Memo
 from .layout import Parallel
 from .recompute import is_recomputed
-from .units import EMBEDDING, HEAD, Comm, Unit, is_expert
+from .units import EMBEDDING, HEAD, LAYER, Comm, Unit, is_expert
 
 ALLREDUCE, ALLGATHER, REDUCESCATTER, ALLTOALL = "ALLREDUCE", "ALLGATHER", "REDUCESCATTER", "ALLTOALL"
 LOSS_BYTES_PER_TOKEN = 4  # Megatron's vocab-parallel cross entropy reduces fp32 values
@@ -80,9 +80,10 @@ def add_model_parallel(units: list[Unit], p: Parallel, micro_batch: int, seq: in
 
 def _last_gemm_recomputed(unit: Unit) -> bool:
     """Whether the unit's last GEMM runs again in its backward (recompute.py: not under torch.compile's
-    partitioner when only the residual add reads its output)."""
+    partitioner when only the residual add reads its output). A whole-layer unit's one pair of collectives
+    stands for its attention's too, whose GEMM does run again: kept."""
     gemm = next((row for row in reversed(unit.rows) if row.forward.kind == "matmul"), None)
-    return gemm is None or is_recomputed(gemm)
+    return gemm is None or unit.block == LAYER or is_recomputed(gemm)
 
 
 def _overlapped_tp(forward: list[Comm], backward: list[Comm], how: str, tp: int) -> tuple[list[Comm], list[Comm]]:
