@@ -106,6 +106,12 @@ class GpuModel:
     # lent H100's host, GPT-2's whole training step (batch 1, seq 128, ~900 kernels) replayed: 0.051 ms
     # (bench/gpu_graphs.py, bench/data/lent-gpus/h100/graphs/graphs.json)
     host_graph_launch_ns: float = 51000.0
+    # How much longer a kernel torch.compile's inductor generates (Triton: a fused pointwise or reduction chain)
+    # takes than the memory roofline at memory_efficiency (fitted on ATen's hand-written kernels) says. No
+    # published figure; fitted on the lent H100's GPT-2 step under torch.compile (b8 s1024 bf16, 26.6 ms measured,
+    # 23.4 ms estimated of which 5.45 ms in generated kernels: 1 + 3.19 / 5.45), judged on the lent H200's and
+    # torchtitan's compiled runs (bench/lent_gpus.py, bench/published.py)
+    generated_kernel_slowdown: float = 1.585
     attention_kernel_ns: float = 10000.0
     cudnn_forward_efficiency: float = 0.45
     cudnn_backward_efficiency: float = 0.35

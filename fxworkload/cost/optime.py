@@ -77,7 +77,7 @@ def gpu_op_ns(op, device, dtype: str) -> float:
         side = max(int(round((op.flops / 2) ** (1 / 3))), 1)
         return gemm_ns(side, side, side, 1, dtype, (8, 8, 8), facts, model)
     if op.fused_ops:  # one kernel: each outside input read once, its outputs written once
-        return memory_ns(op.bytes, facts, model)
+        return memory_ns(op.bytes, facts, model) * (model.generated_kernel_slowdown if op.generated else 1.0)
     name = base_name(op.op)
     kernels, passes = CUDA_KERNELS.get(name, (1, 1.0))
     rereads = _softmax_reread_bytes(name, op, facts) + _layer_norm_reread_bytes(name, op, facts)

@@ -36,6 +36,7 @@ class Stack:
     # "userbuffers": Transformer Engine's, every forward and backward collective of a block;
     # "symmetric-memory": torch's AsyncTP (inductor's micro-pipeline TP pass), only the patterns it fuses
     tp_overlap: str = "userbuffers"
+    generates_kernels: bool = False  # its fused kernels are a compiler's (inductor's Triton), not hand-written
 
 
 STACKS = {
@@ -44,7 +45,7 @@ STACKS = {
     "compiled": Stack("compiled", True, "partitioner",
                       "torch.compile: AOTAutograd min_cut_rematerialization_partition + inductor fusion and "
                       "GEMM padding (torch/_inductor/fx_passes/pad_mm.py)", pads_gemms=True,
-                      tp_overlap="symmetric-memory"),
+                      tp_overlap="symmetric-memory", generates_kernels=True),
 }
 
 

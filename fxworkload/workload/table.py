@@ -50,6 +50,7 @@ class OpCost:
     gemm_dtype: str = ""  # a GEMM run in another dtype than its tensors' (--fp8: "fp8"); "" = theirs
     gemm_padded: bool = False  # --stack compiled: padded to aligned shapes where inductor's pad_mm would
     graphed: bool = False  # --cuda-graphs: replayed from a CUDA graph, no host dispatch of its own (cuda_graphs.py)
+    generated: bool = False  # --stack compiled: a fused kernel inductor generates (cost/gpu.py generated_kernel_slowdown)
 
 
 @dataclass
@@ -214,7 +215,7 @@ def build(capture: Capture, model: torch.nn.Module, device: DeviceProfile | None
     if STACKS[stack].fuses_pointwise:
         found = regions(capture)
         keep = SavePolicy(found, partitioner_saved(capture) if STACKS[stack].keeps == "partitioner" else None)
-        costs = _fused_costs(costs, found, device)
+        costs = _fused_costs(costs, found, device, STACKS[stack].generates_kernels)
     forward_nodes = [n for n, phase in capture.phase.items() if phase == FORWARD]
     main_ops = _main_ops(forward_nodes, capture.module, costs, model)
     names = _row_names(forward_nodes, capture.module, main_ops)
@@ -241,14 +242,15 @@ def build(capture: Capture, model: torch.nn.Module, device: DeviceProfile | None
                             reserved_slack_bytes=memory.reserved_peak_bytes - memory.allocated_peak_bytes)
 
 
-def _fused_costs(costs: dict, found: Regions, device: DeviceProfile | None) -> dict:
-    """Each region's kernel on its lead op (its flops, the bytes the one kernel moves); its other ops
-    marked as run inside it."""
+def _fused_costs(costs: dict, found: Regions, device: DeviceProfile | None, generated: bool = False) -> dict:
+    """Each region's kernel on its lead op (its flops, the bytes the one kernel moves; ``generated``: a kernel
+    the stack's compiler writes, not a library's); its other ops marked as run inside it."""
     costs = dict(costs)
     for region, members in found.members.items():
         lead = found.lead(region)
         kernels = [n for n in members if not is_alias(n.target)]
         costs[lead] = timed(replace(costs[lead], flops=sum(costs[n].flops for n in kernels), fused_ops=len(kernels),
+                                    generated=generated,
                                     bytes=traffic_bytes(region, found, read_as=functools.partial(made_from, regions=found))),
                             device)
         for node in kernels:

@@ -92,3 +92,26 @@ def test_the_outputs_say_which_stack_they_assume(tmp_path):
     assert re.search(r"execution stack \(--stack\) +fused: Megatron-LM", result.summary())
     with pytest.raises(UserError, match="unknown --stack 'jit'"):
         extract(str(tmp_path), stack="jit")
+
+
+def test_a_kernel_inductor_generates_is_costed_at_its_own_share_of_the_roofline(tmp_path):
+    """The same fused GELU kernel on an H100: under --stack fused (hand-written) at the memory roofline that
+    memory_ns gives for its bytes, under --stack compiled (inductor's Triton) generated_kernel_slowdown times
+    that; the bytes and the region are the stacks' same."""
+    from fxworkload.cost.gpu import memory_ns
+
+    tiny_config("gpt2", activation_function="gelu_new").save_pretrained(tmp_path)
+    kernels = {}
+    for stack in ("fused", "compiled"):
+        result = extract(str(tmp_path), batch=2, seq=16, device="h100-sxm", stack=stack, use_cache=False)
+        act = [row.forward for row in result.workload.node_rows if row.module.endswith("h.0.mlp.act")
+               and row.forward.fused_ops]
+        kernels[stack] = act[0]
+    device = result.device
+    facts, model = device.gpu_facts(), device.gpu_model()
+    assert not kernels["fused"].generated and kernels["compiled"].generated
+    assert kernels["fused"].bytes == kernels["compiled"].bytes
+    roofline = memory_ns(kernels["fused"].bytes, facts, model)
+    assert kernels["fused"].estimated_ns == pytest.approx(roofline)
+    assert kernels["compiled"].estimated_ns == pytest.approx(roofline * model.generated_kernel_slowdown)
+    assert model.generated_kernel_slowdown > 1
