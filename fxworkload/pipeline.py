@@ -271,7 +271,8 @@ def extract(model: str, batch: int = 1, seq: int | None = None, dtype: str = "fp
         with_sequence_parallel(recost(workload, profile), parallel, facts.stack, facts.row_parallel,
                                profile.kernel_launch_ns), parallel)
     if fp8:
-        workload = captured = with_fp8(workload, profile, facts.stack, fp8_recipe)
+        workload = captured = with_fp8(workload, profile, facts.stack, fp8_recipe,
+                                       sp_tp=parallel.tp if parallel.sp else 1, row_parallel=facts.row_parallel)
     workload = captured = with_cuda_graphs(workload, profile, parallel.cuda_graphs, facts.stack)
     if not rank_view:
         return CostedStep(facts=facts, workload=captured, device=profile, seq_per_rank=seq)

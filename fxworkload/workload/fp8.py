@@ -31,6 +31,10 @@ over the whole tensor that must end before the cast starts, so every cast reads 
 the same way in every forward (no FP8 copy kept from step to step), so they cost no memory between steps
 and no cast after the optimizer.
 
+Under ``--stack compiled`` torchao's amax and cast kernels are inductor's (torchtitan compiles the blocks
+with Float8Linear in them): they take the generated kernels' factor over the roofline
+(cost/gpu.py ``generated_kernel_slowdown``). Transformer Engine's are its own, hand-written.
+
 Not modelled: delayed scaling's amax history; torchao's row-wise scaling.
 """
 
@@ -44,6 +48,7 @@ from ..cost.gpu import memory_ns
 from ..cost.optime import gpu_op_ns
 from ..errors import UserError
 from .layers import layer_of
+from .stacks import STACKS
 from .table import NodeRow, OpCost, Workload
 
 CAST_BYTES_PER_ELEMENT = 2 + 1 + 1  # read a 16-bit value, write its FP8 cast and the cast's transpose
@@ -70,10 +75,17 @@ def check_recipe(recipe: str) -> str:
     return recipe
 
 
-def with_fp8(workload: Workload, device: DeviceProfile, stack: str | None, recipe: str = "te") -> Workload:
-    """The table with its decoder layers' linear GEMMs in FP8 (and their casts); the rest as it was."""
+def with_fp8(workload: Workload, device: DeviceProfile, stack: str | None, recipe: str = "te", sp_tp: int = 1,
+             row_parallel: tuple[str, ...] = ()) -> Workload:
+    """The table with its decoder layers' linear GEMMs in FP8 (and their casts); the rest as it was. ``sp_tp``:
+    the tensor-parallel ranks under sequence parallelism, whose all-gathers move FP8 (Workload.fp8_tp_gathers):
+    the tensors they gather, a column-parallel linear's input and a row-parallel one's output gradient
+    (``row_parallel``: those modules), are cast on the rank's 1/tp share before the gather, not whole."""
     per_element = RECIPE_CAST_BYTES[check_recipe(recipe)]
     weights_each_forward = recipe == "torchao"  # no FP8 copy kept: the weight cast in every forward
+    model = device.gpu_model()
+    cast_factor = model.generated_kernel_slowdown if recipe == "torchao" and STACKS[workload.stack].generates_kernels \
+        else 1.0  # torchao's casts under torch.compile are inductor's kernels (module docstring)
     retimed: dict[int, OpCost] = {}
 
     def fp8(op: OpCost, cast_elements: int) -> OpCost:
@@ -81,7 +93,7 @@ def with_fp8(workload: Workload, device: DeviceProfile, stack: str | None, recip
             return op
         if id(op) not in retimed:
             cast_bytes = cast_elements * per_element
-            cast_ns = memory_ns(cast_bytes, device.gpu_facts(), device.gpu_model(), casts=True) if cast_bytes else 0.0
+            cast_ns = memory_ns(cast_bytes, device.gpu_facts(), model, casts=True) * cast_factor if cast_bytes else 0.0
             retimed[id(op)] = replace(op, gemm_dtype="fp8", bytes=op.bytes + cast_bytes,
                                       estimated_ns=gpu_op_ns(op, device, "fp8") + cast_ns)
         return retimed[id(op)]
@@ -100,8 +112,11 @@ def with_fp8(workload: Workload, device: DeviceProfile, stack: str | None, recip
             _save_input_in_fp8(rows, row, elements, stack, halved)
         previous = (elements, len(rows))
         weight_elements = k * n * row.forward.gemm_batch if weights_each_forward else 0
-        rows.append(row.with_ops(fp8(row.forward, m * k + weight_elements),
-                                 [fp8(op, m * n if op.gemm_mkn else 0) for op in row.input_grad],
+        row_wise = _within(row.module, row_parallel)
+        input_cast = m * k // (1 if row_wise else sp_tp)  # a gathered input is cast as the rank's shard
+        gradient_cast = m * n // (sp_tp if row_wise else 1)  # likewise a gathered output gradient
+        rows.append(row.with_ops(fp8(row.forward, input_cast + weight_elements),
+                                 [fp8(op, gradient_cast if op.gemm_mkn else 0) for op in row.input_grad],
                                  [fp8(op, 0) for op in row.weight_grad]))
         weights += k * n * row.forward.gemm_batch
         modules.add(row.module)
@@ -128,6 +143,12 @@ def _save_input_in_fp8(rows: list, linear: NodeRow, elements: int, stack: str | 
             halved.add(i)
             rows[i] = row.with_ops(row.forward, row.input_grad, row.weight_grad, saved_bytes=row.saved_bytes - elements)
             return
+
+
+def _within(module: str, paths: tuple[str, ...]) -> bool:
+    """Whether ``module`` is one of ``paths`` or inside one."""
+    parts = module.split(".")
+    return any(".".join(parts[:i]) in paths for i in range(1, len(parts) + 1))
 
 
 def _linear_in_layer(row: NodeRow, stack: str | None) -> bool:

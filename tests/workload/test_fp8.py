@@ -8,6 +8,7 @@ import pytest
 from fxworkload.cost.devices import load
 from fxworkload.cost.gpu import gemm_ns
 from fxworkload.errors import UserError
+from fxworkload.parallel.layout import Parallel
 from fxworkload.pipeline import extract
 
 # tiny llama (tests/conftest.py): hidden 64, 4 heads of 16, 2 key/value heads, FFN 112, 2 layers
@@ -147,3 +148,48 @@ def test_torchaos_recipe_reads_each_cast_tensor_once_more_and_casts_the_weights_
         extract(str(tiny_dirs["llama"]), seq=32, dtype="bf16", device="h100-sxm", fp8_recipe="torchao")
     with pytest.raises(UserError, match="unknown --fp8-recipe"):
         extract(str(tiny_dirs["llama"]), seq=32, dtype="bf16", device="h100-sxm", fp8=True, fp8_recipe="mxfp8")
+
+
+def test_sequence_parallel_casts_the_gathered_tensors_on_the_ranks_share(tiny_dirs):
+    """With TP 2 and sequence parallelism the all-gathers move FP8, so what they gather is cast before them on the
+    rank's half (torchao's PrepareFloat8ModuleInput and Float8RowwiseParallel; TE's LayerNormLinear and its
+    grad_output quantizer): by hand, q_proj's forward input cast is tokens/2 x hidden x 4 bytes, and o_proj's
+    input-gradient GEMM casts its output gradient (tokens x hidden, gathered) on tokens/2 x hidden; o_proj's own
+    input (the rank's heads, not gathered) and q_proj's output gradient (its own columns) are cast whole."""
+    args = dict(batch=2, seq=32, dtype="bf16", device="h100-sxm", parallel=Parallel(tp=2, sp=True))
+    bf16, fp8 = (extract(str(tiny_dirs["llama"]), fp8=on, **args) for on in (False, True))
+    tokens = 2 * 32
+
+    def added(suffix):
+        row, plain = (next(r for r in run.workload.node_rows if r.module.endswith(suffix) and r.forward.gemm_mkn)
+                      for run in (fp8, bf16))
+        gemm_grads = [(a.bytes - b.bytes, a.gemm_mkn) for a, b in zip(row.input_grad, plain.input_grad) if a.gemm_mkn]
+        return row.forward.bytes - plain.forward.bytes, row.forward.gemm_mkn, gemm_grads[0]
+
+    q_forward, (m, k, n), (q_grad, _) = added("layers.0.self_attn.q_proj")
+    assert q_forward == tokens // 2 * HIDDEN * 4 and m == tokens and k == HIDDEN
+    assert q_grad == m * n * 4  # q's output gradient: the rank's own columns, not gathered
+    o_forward, (m, k, n), (o_grad, _) = added("layers.0.self_attn.o_proj")
+    assert o_forward == m * k * 4  # the rank's heads' attention output, not gathered
+    assert o_grad == tokens // 2 * HIDDEN * 4
+
+
+def test_torchaos_casts_under_compile_are_generated_kernels(tiny_dirs):
+    """Under --stack compiled torchao's amax and cast kernels are inductor's: the FP8 GEMM's time over the same
+    GEMM's without casts is the casts' memory time times generated_kernel_slowdown; Transformer Engine's are its
+    own kernels under every stack."""
+    from fxworkload.cost.gpu import memory_ns
+    from fxworkload.cost.optime import gpu_op_ns
+    from fxworkload.workload.fp8 import RECIPE_CAST_BYTES
+
+    h100 = load("h100-sxm")
+    facts, model = h100.gpu_facts(), h100.gpu_model()
+    for recipe, factor in (("torchao", model.generated_kernel_slowdown), ("te", 1.0)):
+        run = extract(str(tiny_dirs["llama"]), batch=2, seq=32, dtype="bf16", device="h100-sxm", fp8=True,
+                      fp8_recipe=recipe, stack="compiled")
+        row = next(r for r in run.workload.node_rows if r.module.endswith("layers.0.self_attn.q_proj")
+                   and r.forward.gemm_mkn)
+        m, k, n = row.forward.gemm_mkn
+        cast_elements = m * k + (k * n if recipe == "torchao" else 0)
+        cast_ns = memory_ns(cast_elements * RECIPE_CAST_BYTES[recipe], facts, model, casts=True)
+        assert row.forward.estimated_ns - gpu_op_ns(row.forward, h100, "fp8") == pytest.approx(cast_ns * factor)
