@@ -613,7 +613,7 @@ def _optimizer_ns(chunks: list[list[Unit]], p: Parallel, dtype: str, grad_dtype:
     expert = sum(g.elements for g in grads if is_expert(g.module))
     parameters = sum(g.elements for g in grads)
     if p.zero >= 1:
-        parameters = (parameters - expert) / p.replicas + expert / max(p.replicas // p.ep, 1)
+        parameters = (parameters - expert) / p.replicas + expert / p.expert_replicas
     states = ADAM_BYTES_PER_PARAMETER["fp32" if dtype == "fp32" else "mixed"]
     per_parameter = OPTIMIZER_PASSES * states + DTYPES[grad_dtype].itemsize + DTYPES[dtype].itemsize
     on_gpu_ns = parameters * (1 - p.optimizer_offload) * per_parameter / (

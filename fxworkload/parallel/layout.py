@@ -67,6 +67,11 @@ class Parallel:
         data- and context-parallel ones (Megatron-Core's data-parallel group with CP)."""
         return self.dp * self.cp
 
+    @property
+    def expert_replicas(self) -> int:
+        """The ranks holding the same expert parameters (Megatron-Core's expert-data-parallel group)."""
+        return expert_replicas(self.replicas, self.ep)
+
     def as_dict(self) -> dict:
         out = asdict(self)
         out["pp_layers"] = list(self.pp_layers) if self.pp_layers else None
@@ -245,3 +250,9 @@ def stage_layers(parallel: Parallel, layers: int) -> list[range]:
         counts = [layers // p.pp] * p.pp
     starts = [sum(counts[:i]) for i in range(p.pp)]
     return [range(start, start + count) for start, count in zip(starts, counts)]
+
+
+def expert_replicas(replicas: int, ep: int) -> int:
+    """The data-parallel ranks over the expert-parallel ones: the group an expert parameter is reduced and
+    sharded over."""
+    return max(replicas // ep, 1)

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 
 from ..dtypes import DTYPES
 from ..memo import Memo
-from .layout import Parallel
+from .layout import Parallel, expert_replicas
 from .units import is_expert
 from ..workload.table import Workload
 
@@ -155,7 +155,7 @@ def model_state_bytes(dense: int, expert: int, dtype: str, grad_dtype: str, zero
     """(parameters, gradients, Adam optimizer states) bytes of one rank holding ``dense`` and
     ``expert`` parameters, as ZeRO ``zero`` divides them over the data-parallel group."""
     adam = ADAM_BYTES_PER_PARAMETER["fp32" if dtype == "fp32" else "mixed"]
-    dense_dp, expert_dp = dp, max(dp // ep, 1)
+    dense_dp, expert_dp = dp, expert_replicas(dp, ep)
 
     def divided(bytes_per_parameter: int, from_stage: int) -> int:
         if zero < from_stage:

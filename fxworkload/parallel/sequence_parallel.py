@@ -13,10 +13,9 @@ module (or the start of a layer) until the next GEMM.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import replace
 
-from ..workload.layers import layer_of
+from ..workload.layers import layer_of, within_any
 from ..workload.table import NodeRow, OpCost, Workload
 from .layout import Parallel
 
@@ -62,12 +61,4 @@ def _splits_after(previous: NodeRow, row: NodeRow, stack: str | None, row_parall
     before, here = layer_of(previous.module, stack), layer_of(row.module, stack)
     if before != here and (here is not None or before is not None):
         return True
-    return _within(previous.module, row_parallel) and not _within(row.module, row_parallel)
-
-
-@functools.lru_cache(maxsize=1 << 16)
-def _within(module: str, paths: tuple[str, ...]) -> bool:
-    """Whether ``module`` is one of ``paths`` or inside one: any of its dotted prefixes is a path."""
-    held = frozenset(paths)
-    parts = module.split(".")
-    return any(".".join(parts[:i]) in held for i in range(1, len(parts) + 1))
+    return within_any(previous.module, row_parallel) and not within_any(row.module, row_parallel)

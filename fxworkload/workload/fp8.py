@@ -47,7 +47,7 @@ from ..cost.devices import DeviceProfile
 from ..cost.gpu import memory_ns
 from ..cost.optime import gpu_op_ns
 from ..errors import UserError
-from .layers import layer_of
+from .layers import layer_of, within_any
 from .stacks import STACKS
 from .table import NodeRow, OpCost, Workload
 
@@ -112,7 +112,7 @@ def with_fp8(workload: Workload, device: DeviceProfile, stack: str | None, recip
             _save_input_in_fp8(rows, row, elements, stack, halved)
         previous = (elements, len(rows))
         weight_elements = k * n * row.forward.gemm_batch if weights_each_forward else 0
-        row_wise = _within(row.module, row_parallel)
+        row_wise = within_any(row.module, row_parallel)
         input_cast = m * k // (1 if row_wise else sp_tp)  # a gathered input is cast as the rank's shard
         gradient_cast = m * n // (sp_tp if row_wise else 1)  # likewise a gathered output gradient
         rows.append(row.with_ops(fp8(row.forward, input_cast + weight_elements),
@@ -143,12 +143,6 @@ def _save_input_in_fp8(rows: list, linear: NodeRow, elements: int, stack: str | 
             halved.add(i)
             rows[i] = row.with_ops(row.forward, row.input_grad, row.weight_grad, saved_bytes=row.saved_bytes - elements)
             return
-
-
-def _within(module: str, paths: tuple[str, ...]) -> bool:
-    """Whether ``module`` is one of ``paths`` or inside one."""
-    parts = module.split(".")
-    return any(".".join(parts[:i]) in paths for i in range(1, len(parts) + 1))
 
 
 def _linear_in_layer(row: NodeRow, stack: str | None) -> bool:

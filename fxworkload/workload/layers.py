@@ -139,6 +139,14 @@ def _short_config(config, layers: int):
 
 
 @functools.lru_cache(maxsize=1 << 16)  # a layout search asks it of the same few thousand paths millions of times
+@functools.lru_cache(maxsize=1 << 16)  # a layout search asks it of the same rows again and again
+def within_any(module: str, paths: tuple[str, ...]) -> bool:
+    """Whether ``module`` is one of ``paths`` or inside one: any of its dotted prefixes is a path."""
+    held = frozenset(paths)
+    parts = module.split(".")
+    return any(".".join(parts[:i]) in held for i in range(1, len(parts) + 1))
+
+
 def layer_of(module: str, stack: str | None) -> int | None:
     """The index of the decoder layer a module path lies in, or None outside the layers."""
     if not stack or not module.startswith(stack + "."):
