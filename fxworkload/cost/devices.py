@@ -90,7 +90,7 @@ class DeviceProfile:
                         power_limit_w=self.power_limit_w, process_nm=self.process_nm,
                         power_cap_w=self.power_cap_w, idle_power_w=self.idle_power_w,
                         threads_per_sm=RESIDENT_THREADS.get(self.arch, SM_THREADS),
-                        fp32_issue_bound=self.arch in FP32_ISSUE_BOUND)
+                        fp32_issue_bound=self.arch in FP32_ISSUE_BOUND, arch=self.arch)
 
     def gpu_model(self) -> GpuModel:
         return _model(self.gpu_model_fit, tuple(sorted(self.gpu_model_parameters.items())))

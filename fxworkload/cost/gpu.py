@@ -23,8 +23,10 @@ H100 and are shipped with their source, or fitted by ``fxworkload calibrate --on
 - Attention (``attention_ns``): FLOPs at a per-kernel efficiency of the tensor peak (cuDNN, flash,
   memory-efficient; forward and backward apart), counting only the score tiles a causal kernel visits
   (an explicit mask visits them all) and the head dimension padded to the kernel's 64-wide tiles,
-  in waves of one 128-query block per CTA over the SMs, plus the softmax per score element (a cost
-  in S² that does not shrink with the head dim, in FP32-unit operations at the GPU's FP32 peak);
+  in waves of one 128-query block per CTA over the SMs (FlashAttention-2's causal forward: its grid's
+  blocks of unequal work started in launch order as slots free, so the grid's tail), plus the softmax
+  per score element (a cost in S² that does not shrink with the head dim, in FP32-unit operations at
+  the GPU's FP32 peak);
   head dims above 128 cost a fitted fraction more (smaller tiles); dropout's random numbers cost
   operations per score element likewise, and a fitted fraction more (per backend, forward and
   backward apart); the op's tensors are read and written a fitted number
@@ -43,6 +45,8 @@ H100 and are shipped with their source, or fitted by ``fxworkload calibrate --on
 
 from __future__ import annotations
 
+import functools
+import heapq
 import math
 from dataclasses import asdict, dataclass, fields
 
@@ -51,6 +55,16 @@ GEMM_TILES = ((128, 256), (256, 128), (128, 128), (64, 128), (128, 64), (64, 64)
 SPLIT_K = (1, 2, 4, 8)
 ATTENTION_TILE = 128  # query/key block of the fused attention kernels (causal skipping works per block)
 HEAD_DIM_TILE = 64
+# FlashAttention-2's forward as PyTorch vendors it (aten/src/ATen/native/transformers/cuda/flash_attn/
+# flash_fwd_launch_template.h, run_mha_fwd_hdim128): head dims up to 128 without dropout run 128-query x
+# 64-key tiles of 4 warps on sm80 and sm90 (sm86/sm89 take 64 x 64 for causal masks), one CTA per query
+# block in a grid (query blocks, batch, heads) launched in that order (flash_fwd_kernel.h compute_attn:
+# m_block = blockIdx.x, no reordering). Each CTA's thread uses 255 registers (ptxas, Dao-AILab/flash-attention
+# #1630), 128 x 255 of an SM's 65,536: two CTAs share an SM.
+FLASH_FORWARD_TILE = (128, 64)
+FLASH_FORWARD_CTAS_PER_SM = 2
+FLASH_SM8X = frozenset({"sm86", "sm87", "sm89"})
+LIST_SCHEDULE_MAX_CTAS = 1 << 17  # past this the grid's tail is under a percent of its time: the mean is used
 
 
 @dataclass(frozen=True)
@@ -172,6 +186,7 @@ class GpuFacts:
     idle_power_w: float = 0.0  # what the board draws doing nothing (leakage, memory refresh); 0: unknown
     threads_per_sm: int = 2048  # resident threads per SM (RESIDENT_THREADS by compute capability)
     fp32_issue_bound: bool = False  # FP32_ISSUE_BOUND: its FFMAs need every issue slot of a partition
+    arch: str = ""  # compute capability, e.g. "sm90" ("": unknown)
 
 
 ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}  # dtypes by fxworkload's names (dtypes.DTYPES; fp8: --fp8 GEMMs)
@@ -285,20 +300,52 @@ def causal_fraction(q_len: int, kv_len: int) -> float:
     return (blocks + 1) / (2 * blocks)
 
 
+def _makespan(works: tuple[int, ...], slots: int) -> int:
+    """When the last of ``works`` ends, each started in order on the first of ``slots`` to come free."""
+    free = [0] * slots
+    for work in works:
+        heapq.heappush(free, heapq.heappop(free) + work)
+    return max(free)
+
+
+@functools.lru_cache(maxsize=256)
+def flash_causal_grid_ratio(sequences: int, q_len: int, kv_len: int, sm_count: int) -> float:
+    """FlashAttention-2's causal forward time over its unmasked time on the same shapes: each CTA runs its
+    query block against the key blocks on and below the diagonal (bottom-right aligned, as FlashAttention
+    >= 2.1 and PyTorch's copy align it), the CTAs start in launch order as slots free, so the heaviest
+    blocks of the last sequences start last and the grid ends on a tail that a mean of the work does not
+    see. ``sequences``: batch x heads."""
+    block_q, block_k = FLASH_FORWARD_TILE
+    rows = math.ceil(q_len / block_q)
+    full = math.ceil(kv_len / block_k)
+    causal = tuple(min(full, max(0, math.ceil(((m + 1) * block_q + kv_len - q_len) / block_k)))
+                   for m in range(rows))
+    slots = sm_count * FLASH_FORWARD_CTAS_PER_SM
+    ctas = sequences * rows
+    if ctas > LIST_SCHEDULE_MAX_CTAS:
+        return sum(causal) / (rows * full)
+    unmasked = math.ceil(ctas / slots) * full
+    return _makespan(causal * sequences, slots) / unmasked
+
+
 def attention_ns(flops: int, backend: str, backward: bool, dtype: str, *, batch: int, heads: int, q_len: int,
                  kv_len: int, head_dim: int, is_causal: bool, has_mask: bool, dropout: float,
                  facts: GpuFacts, model: GpuModel, nbytes: int = 0) -> float:
     work = flops * math.ceil(head_dim / HEAD_DIM_TILE) * HEAD_DIM_TILE / head_dim
-    if is_causal and not has_mask:
-        work *= causal_fraction(q_len, kv_len)
     direction = "backward" if backward else "forward"
     ctas = batch * heads * math.ceil(q_len / ATTENTION_TILE)  # one query block per CTA
     quantization = math.ceil(ctas / facts.sm_count) / (ctas / facts.sm_count)  # a last partial wave costs a whole one
+    grid = quantization  # the grid's time over its work at a full wave's rate
+    if is_causal and not has_mask:
+        if backend == "flash" and not backward and head_dim <= 128 and not dropout and facts.arch not in FLASH_SM8X:
+            grid *= flash_causal_grid_ratio(batch * heads, q_len, kv_len, facts.sm_count)
+        else:
+            grid *= causal_fraction(q_len, kv_len)
     efficiency = getattr(model, f"{backend}_{direction}_efficiency") * capped_clock_fraction(facts)
-    seconds = quantization * work / (facts.tensor_flops_per_s[dtype] * efficiency)
-    scores = batch * heads * q_len * kv_len * (causal_fraction(q_len, kv_len) if is_causal and not has_mask else 1)
+    seconds = grid * work / (facts.tensor_flops_per_s[dtype] * efficiency)
+    scores = batch * heads * q_len * kv_len
     alu_per_s = facts.tensor_flops_per_s["fp32"] * capped_clock_fraction(facts)  # the same SMs' clock
-    seconds += quantization * scores * getattr(model, f"attention_{direction}_score_flops") / alu_per_s
+    seconds += grid * scores * getattr(model, f"attention_{direction}_score_flops") / alu_per_s
     if has_mask:
         seconds *= 1 + getattr(model, f"attention_mask_{direction}_cost")
     if head_dim > 128:
