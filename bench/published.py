@@ -103,10 +103,12 @@ TORCHTITAN = {
     "torchtitan 8B FSDP": ("llama-3-8b", 8, 1, 2, 8192, "op", "eager", None, False, 5762, 82.4),
     "torchtitan 8B FSDP compile": ("llama-3-8b", 8, 1, 2, 8192, "op", "compiled", None, False, 6667, 77.0),
     "torchtitan 8B FSDP compile Float8": ("llama-3-8b", 8, 1, 2, 8192, "op", "compiled", "torchao", False, 8532, 76.8),
+    # its docs/performance.md as commit 904913f7 (2024-08-21) added it: Llama 3.1 405B on 128 of the same 95 GB
+    # lower-TDP H100s, local batch 2, full recomputation, FSDP 16 x TP 8 ("Optimizations: None", Float8, + AsyncTP)
     "torchtitan 405B FSDP+TP": ("405b", 16, 8, 2, 8192, "full", "eager", None, False, 109, None),
     "torchtitan 405B FSDP+TP Float8": ("405b", 16, 8, 2, 8192, "full", "compiled", "torchao", False, 177, None),
     "torchtitan 405B FSDP+TP Float8 AsyncTP": ("405b", 16, 8, 2, 8192, "full", "compiled", "torchao", True, 185, None),
-    # its Table 4 (Llama 3.1 70B, 256 GPUs, local batch 16, full AC, compile, Float8): 2D, then 2D + AsyncTP
+    # benchmarks/llama3_h100_202412_torchtitan.md again: its Table 4 (Llama 3.1 70B, 256 GPUs, local batch 16, full AC, compile, Float8): 2D, then 2D + AsyncTP
     "torchtitan 70B FSDP+TP Float8": ("llama-3-70b", 32, 8, 16, 8192, "full", "compiled", "torchao", False, 829, 71.9),
     "torchtitan 70B FSDP+TP Float8 AsyncTP": ("llama-3-70b", 32, 8, 16, 8192, "full", "compiled", "torchao", True, 876,
                                               67.6),
