@@ -56,11 +56,12 @@ SPLIT_K = (1, 2, 4, 8)
 ATTENTION_TILE = 128  # query/key block of the fused attention kernels (causal skipping works per block)
 HEAD_DIM_TILE = 64
 # FlashAttention-2's forward as PyTorch vendors it (aten/src/ATen/native/transformers/cuda/flash_attn/
-# flash_fwd_launch_template.h, run_mha_fwd_hdim128): head dims up to 128 without dropout run 128-query x
-# 64-key tiles of 4 warps on sm80 and sm90 (sm86/sm89 take 64 x 64 for causal masks), one CTA per query
-# block in a grid (query blocks, batch, heads) launched in that order (flash_fwd_kernel.h compute_attn:
-# m_block = blockIdx.x, no reordering). Each CTA's thread uses 255 registers (ptxas, Dao-AILab/flash-attention
-# #1630), 128 x 255 of an SM's 65,536: two CTAs share an SM.
+# flash_fwd_launch_template.h, run_mha_fwd_hdim128): head dim 128 without dropout runs 128-query x 64-key
+# tiles of 4 warps on sm80 and sm90 (sm86/sm89 take 64 x 64 for causal masks; head dims 32 and 64 run
+# 128 x 128, whose causal blocks carry the same shares of a row), one CTA per query block in a grid (query
+# blocks, batch, heads) launched in that order (flash_fwd_kernel.h compute_attn: m_block = blockIdx.x, no
+# reordering). Each CTA's thread uses 255 registers (ptxas's log of the sm80 build, Dao-AILab/flash-attention
+# #1630), 128 x 255 of an SM's 65,536: two CTAs share an SM (taken for every head dim up to 128).
 FLASH_FORWARD_TILE = (128, 64)
 FLASH_FORWARD_CTAS_PER_SM = 2
 FLASH_SM8X = frozenset({"sm86", "sm87", "sm89"})
