@@ -323,6 +323,8 @@ def flash_causal_grid_ratio(sequences: int, q_len: int, kv_len: int, sm_count: i
                    for m in range(rows))
     slots = sm_count * FLASH_FORWARD_CTAS_PER_SM
     ctas = sequences * rows
+    if not (ctas and full):  # an empty kernel: nothing to schedule
+        return 1.0
     if ctas > LIST_SCHEDULE_MAX_CTAS:
         return sum(causal) / (rows * full)
     unmasked = math.ceil(ctas / slots) * full
