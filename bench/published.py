@@ -133,6 +133,11 @@ TORCHTITAN = {
     "torchtitan 2025-06 8B AsyncTP Float8": ("llama-3-8b", 8, 8, 12, 8192, "op", "compiled", "torchao", True, 5570.1,
                                              None),
 }
+# Rows whose train config gathers the Float8 linears' weights in FP8 under FSDP2 (torchao's float8 all-gather,
+# ``--fp8-param-gather``): the 405B config of torchtitan at 904913f7, train_configs/llama3_405b.toml [float8]
+# enable_fsdp_float8_all_gather = true, precompute_float8_dynamic_scale_for_fsdp = true. The 8B and 70B configs
+# leave float8 off, and the flags the runs added to them are not published: the option's default, off.
+FSDP_FLOAT8_GATHER = {"torchtitan 405B FSDP+TP Float8", "torchtitan 405B FSDP+TP Float8 AsyncTP"}
 # AsyncTP off and on at one layout, as published: (off, on) rows of TORCHTITAN
 ASYNC_TP_PAIRS = (("torchtitan 405B FSDP+TP Float8", "torchtitan 405B FSDP+TP Float8 AsyncTP"),
                   ("torchtitan 70B FSDP+TP Float8", "torchtitan 70B FSDP+TP Float8 AsyncTP"),
@@ -242,14 +247,16 @@ def torchtitan_row(name: str, root: Path, tokens_per_s: dict | None = None) -> l
 
     config, dp, tp, batch, seq, recompute, stack, recipe, async_tp, published, published_gib = TORCHTITAN[name]
     model = config if config != "405b" else str(_llama_405b(root))
-    parallel = Parallel(dp=dp, tp=tp, sp=tp > 1, zero=3, recompute=recompute, tp_comm_overlap=async_tp)
+    parallel = Parallel(dp=dp, tp=tp, sp=tp > 1, zero=3, recompute=recompute, tp_comm_overlap=async_tp,
+                        fp8_param_gather=name in FSDP_FLOAT8_GATHER)
     run = extract(model, batch=batch, seq=seq, dtype="bf16", grad_dtype="fp32", device="h100-sxm-96gb", stack=stack,
                   fp8=recipe is not None, fp8_recipe=recipe or "te", parallel=parallel, sdpa_backends=TORCHTITAN_SDPA)
     ours = run.cluster.tokens_per_s_per_gpu
     if tokens_per_s is not None:
         tokens_per_s[name] = ours
     memory = run.memory.reserved_peak_bytes / 2 ** 30
-    said = f"{stack}{', Float8 (' + recipe + ')' if recipe else ''}{', AsyncTP' if async_tp else ''}, recompute {recompute}"
+    said = (f"{stack}{', Float8 (' + recipe + ')' if recipe else ''}{', FP8 FSDP gathers' if name in FSDP_FLOAT8_GATHER else ''}"
+            f"{', AsyncTP' if async_tp else ''}, recompute {recompute}")
     memory_text = f"{memory:.1f} GiB" + (f" vs {published_gib} ({100 * (memory / published_gib - 1):+.1f}%)"
                                          if published_gib else "")
     return [name, f"fsdp{dp} tp{tp}", dp * tp, f"{said}; {memory_text}", f"{published} tok/s", f"{ours:.0f} tok/s",
