@@ -355,7 +355,7 @@ def attention_ns(flops: int, backend: str, backward: bool, dtype: str, *, batch:
         seconds *= 1 + getattr(model, f"attention_large_head_{direction}_cost")
     if dropout > 0:
         seconds *= 1 + getattr(model, f"{backend}_{direction}_dropout_cost")
-        seconds += quantization * scores * getattr(model, f"attention_{direction}_dropout_flops") / alu_per_s
+        seconds += grid * scores * getattr(model, f"attention_{direction}_dropout_flops") / alu_per_s
     seconds += getattr(model, f"attention_{direction}_memory_passes") * nbytes / streaming_bytes_per_s(facts, model)
     return model.attention_kernel_ns + 1e9 * seconds
 

@@ -164,6 +164,23 @@ def test_an_explicit_mask_visits_every_block_at_a_fitted_extra_cost():
     assert masked == pytest.approx(1.5 * full) and causal == pytest.approx(full * 33 / 64)
 
 
+def test_dropouts_random_numbers_are_drawn_for_the_blocks_a_causal_kernel_visits_only():
+    """By hand: dropout adds its fitted fraction of the kernel and its operations per score element, and a
+    causal kernel draws them for the blocks on and below the diagonal only (33 of 64 at 4,096 in 128-wide
+    blocks), in 8 x 32 CTAs over 132 SMs (two waves where 1.94 are busy)."""
+    from fxworkload.cost.gpu import attention_ns
+
+    model = GpuModel(attention_kernel_ns=0.0, attention_forward_memory_passes=0.0, cudnn_forward_dropout_cost=0.25,
+                     attention_forward_dropout_flops=40.0)
+    shape = dict(batch=1, heads=8, q_len=4096, kv_len=4096, head_dim=128, facts=FACTS, model=model)
+    flops = 4 * 8 * 4096 * 4096 * 128
+    plain = attention_ns(flops, "cudnn", False, "bf16", is_causal=True, has_mask=False, dropout=0.0, **shape)
+    dropped = attention_ns(flops, "cudnn", False, "bf16", is_causal=True, has_mask=False, dropout=0.1, **shape)
+    waves = 2 / (8 * 32 / 132)
+    random_numbers_s = waves * 8 * 4096 * 4096 * 33 / 64 * 40.0 / 6.7e13
+    assert dropped == pytest.approx(1.25 * plain + 1e9 * random_numbers_s)
+
+
 def test_cuda_softmax_backward_is_a_multiply_kernel_then_the_backward_kernel():
     """By hand, from SoftMax.cu (softmax_backward_cuda_out: ``tmp = grad * output``, then the backward
     kernel over tmp and output): two kernel launches and two passes over the op's three tensors,
