@@ -104,7 +104,8 @@ TORCHTITAN = {
     "torchtitan 8B FSDP compile": ("llama-3-8b", 8, 1, 2, 8192, "op", "compiled", None, False, 6667, 77.0),
     "torchtitan 8B FSDP compile Float8": ("llama-3-8b", 8, 1, 2, 8192, "op", "compiled", "torchao", False, 8532, 76.8),
     # its docs/performance.md as commit 904913f7 (2024-08-21) added it: Llama 3.1 405B on 128 of the same 95 GB
-    # lower-TDP H100s, local batch 2, full recomputation, FSDP 16 x TP 8 ("Optimizations: None", Float8, + AsyncTP)
+    # lower-TDP H100s, local batch 2, full recomputation, FSDP 16 x TP 8 ("Optimizations: None", Float8, + AsyncTP).
+    # Its config compiled the blocks; "None" is read as no compile either (compiled, ours reads 130 tok/s, +19 %).
     "torchtitan 405B FSDP+TP": ("405b", 16, 8, 2, 8192, "full", "eager", None, False, 109, None),
     "torchtitan 405B FSDP+TP Float8": ("405b", 16, 8, 2, 8192, "full", "compiled", "torchao", False, 177, None),
     "torchtitan 405B FSDP+TP Float8 AsyncTP": ("405b", 16, 8, 2, 8192, "full", "compiled", "torchao", True, 185, None),
