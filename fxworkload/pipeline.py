@@ -269,7 +269,7 @@ def extract(model: str, batch: int = 1, seq: int | None = None, dtype: str = "fp
     say(f"costing on {profile.name}...")
     workload = captured = with_context_parallel(
         with_sequence_parallel(recost(workload, profile), parallel, facts.stack, facts.row_parallel,
-                               profile.kernel_launch_ns), parallel)
+                               profile.kernel_launch_ns), parallel, profile)
     if fp8:
         workload = captured = with_fp8(workload, profile, facts.stack, fp8_recipe,
                                        sp_tp=parallel.tp if parallel.sp else 1, row_parallel=facts.row_parallel)

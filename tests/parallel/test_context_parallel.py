@@ -117,3 +117,60 @@ def test_bad_context_parallel_settings_are_one_line_errors(tiny_dirs):
         extract(str(tiny_dirs["llama"]), batch=1, parallel=Parallel(cp=2))
     with pytest.raises(UserError, match="--cp-comm"):
         extract(str(tiny_dirs["llama"]), batch=1, seq=SEQ, parallel=Parallel(cp=2, cp_comm="ring"))
+
+
+# A core op's attention, as cost/optime.py records it: E = 1 x 4 x 8 x 2 = 64 output elements, K = 1 x 2 x 8 x 2 = 32
+ATTENTION = {"backend": "flash", "batch": 1, "heads": 4, "kv_heads": 2, "q_len": 8, "kv_len": 8, "head_dim": 2,
+             "is_causal": True, "has_mask": False, "dropout": 0.0}
+
+
+def test_a_rings_merges_move_what_torch_and_te_move_per_step_by_hand():
+    """By hand, from torch's _SDPAMerger and _templated_ring_attention_backward at cp 3 on the last rank:
+    fused (inductor's, or Transformer Engine's corrections), forward: the first block's output to fp32 (2 + 4
+    bytes an element), two later merges (fp32 output read and written, the block's 16-bit output read: 10),
+    the result to 16-bit (4 + 2): 32 x 64 bytes in four kernels; backward: fp32 accumulators begun from the
+    first step's gradients (6 an output element, 2 x 6 a key's), two later updates (10, and 2 x 10: the received
+    fp32 key and value gradients plus the block's, written for the next rank), and back to 16-bit (6 and 2 x 6):
+    32 x 64 + 64 x 32 bytes in eight. Eager, forward: the fp32 copy and the keys' and values' concatenation
+    (6 and 8), two merges of five kernels (6 + 12 + 8 + 12 an element, the concatenation again: 8), the result
+    (6): 88 x 64 + 24 x 32 bytes in thirteen kernels."""
+    from fxworkload.parallel.context_parallel import merge_bytes
+
+    assert merge_bytes(ATTENTION | {"backward": False}, 3, "fused") == (32 * 64, 4)
+    assert merge_bytes(ATTENTION | {"backward": True}, 3, "fused") == (32 * 64 + 64 * 32, 8)
+    assert merge_bytes(ATTENTION | {"backward": False}, 3, "eager") == (88 * 64 + 24 * 32, 13)
+
+
+def test_only_a_ring_that_steps_merges_its_outputs():
+    """torch's context parallelism steps through the ring whatever its rotate method (eager: unfused merges;
+    compiled: inductor's); Transformer Engine's p2p ring steps, its all-gather (Llama 3's) runs one kernel per
+    local chunk over the gathered keys."""
+    from fxworkload.parallel.context_parallel import merging
+
+    assert merging("eager", "allgather") == "eager" and merging("compiled", "allgather") == "fused"
+    assert merging("fused", "p2p") == "fused" and merging("fused", "allgather") is None
+
+
+def test_the_merges_time_is_their_bytes_at_the_streaming_rate_beside_cp_kernels():
+    """The ring's core op costs cp times the captured kernel plus its merges as memory-bound kernels
+    (cost/gpu.py memory_ns) on the device; the Llama 3 all-gather under --stack fused, cp times alone."""
+    from dataclasses import replace
+
+    from fxworkload.cost.devices import load
+    from fxworkload.cost.gpu import memory_ns
+    from fxworkload.parallel.context_parallel import merge_bytes, with_context_parallel
+    from fxworkload.workload.table import NodeRow, OpCost, Workload
+
+    core = OpCost(fx_name="sdpa", op="aten._scaled_dot_product_flash_attention.default", kind="attention",
+                  phase=FORWARD, input_shapes=[], input_dtypes=[], output_shapes=[], output_dtypes=[], flops=1000,
+                  bytes=100, estimated_ns=50.0, has_flop_rule=True, attention=ATTENTION | {"backward": False},
+                  sdpa_backend="flash")
+    row = NodeRow(name="sdpa", module="model.layers.0.self_attn", forward=core)
+    device = load("h100-sxm")
+    for stack, cp_comm, merged in (("eager", "allgather", True), ("fused", "allgather", False)):
+        workload = Workload(rows=[row], parameter_count=0, gradient_bytes=0, stack=stack)
+        ring = with_context_parallel(workload, Parallel(dp=2, cp=2, cp_comm=cp_comm), device).rows[0].forward
+        extra, kernels = merge_bytes(core.attention, 2, "eager")
+        expected = 100.0 + (memory_ns(extra, device.gpu_facts(), device.gpu_model(), kernels) if merged else 0.0)
+        assert ring.estimated_ns == pytest.approx(expected) and ring.bytes == 200 + (extra if merged else 0)
+        assert replace(ring, estimated_ns=0.0, bytes=0).flops == 2000
