@@ -70,9 +70,10 @@ def is_core(op: OpCost) -> bool:
 
 def merging(stack: str, cp_comm: str) -> str | None:
     """How a ring's per-step outputs are merged under ``stack`` (MERGE_BYTES' keys; None: no merge)."""
-    if STACKS[stack].name == "fused":
+    how = STACKS[stack].ring_merges
+    if how == "fused-p2p":
         return "fused" if cp_comm == "p2p" else None
-    return "eager" if not STACKS[stack].fuses_pointwise else "fused"
+    return how
 
 
 def merge_bytes(attention: dict, cp: int, how: str) -> tuple[int, int]:

@@ -37,15 +37,20 @@ class Stack:
     # "symmetric-memory": torch's AsyncTP (inductor's micro-pipeline TP pass), only the patterns it fuses
     tp_overlap: str = "userbuffers"
     generates_kernels: bool = False  # its fused kernels are a compiler's (inductor's Triton), not hand-written
+    # how a context-parallel ring's per-step outputs are merged (parallel/context_parallel.py MERGE_BYTES):
+    # "eager": torch's unfused merges; "fused": one kernel a step; "fused-p2p": Transformer Engine's, whose
+    # p2p ring merges and whose all-gather runs one kernel per chunk with nothing to merge
+    ring_merges: str = "eager"
 
 
 STACKS = {
     "eager": Stack("eager", False, "autograd", "PyTorch eager; autograd's derivatives.yaml"),
-    "fused": Stack("fused", True, "fused", "Megatron-LM / Transformer Engine fused kernels (megatron/core/fusions)"),
+    "fused": Stack("fused", True, "fused", "Megatron-LM / Transformer Engine fused kernels (megatron/core/fusions)",
+                   ring_merges="fused-p2p"),
     "compiled": Stack("compiled", True, "partitioner",
                       "torch.compile: AOTAutograd min_cut_rematerialization_partition + inductor fusion and "
                       "GEMM padding (torch/_inductor/fx_passes/pad_mm.py)", pads_gemms=True,
-                      tp_overlap="symmetric-memory", generates_kernels=True),
+                      tp_overlap="symmetric-memory", generates_kernels=True, ring_merges="fused"),
 }
 
 
