@@ -264,6 +264,12 @@ def _unpacked_sequences():
         masking_utils.find_packed_sequence_indices = original
 
 
+def grad_fn_of(node: torch.fx.Node) -> int | None:
+    """The sequence number of the autograd node whose backward ran this op; None for forward ops and the
+    engine's own (gradient accumulation between nodes)."""
+    return node.meta.get("custom", {}).get(_GRAD_FN_KEY)
+
+
 def _label(gm: torch.fx.GraphModule, parameter_nodes: dict[str, torch.fx.Node]) -> Capture:
     graph = gm.graph
     nodes = [n for n in graph.nodes if n.op == "call_function"]

@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from ..capture.trace import FORWARD, Capture
+from ..capture.trace import FORWARD, Capture, grad_fn_of
 from .allocator import CachingAllocator
 from .fusion import Regions
 from .scratch import handle_workspaces, scratch_bytes
@@ -72,6 +72,7 @@ def activation_memory(capture: Capture, keep: SavePolicy | None = None) -> Activ
     read_by_backward: set[StorageWeakRef] = set()
     forward_end = max((position[n] for n in nodes if n.op == "call_function"
                        and capture.phase.get(n, FORWARD) == FORWARD), default=0)
+    node_end = _autograd_node_ends(nodes, position)
     for node in nodes:
         backward = node.op == "call_function" and capture.phase.get(node, FORWARD) != FORWARD
         reader_top = _top_module(capture.module.get(node, "")) if node.op == "call_function" and not backward else None
@@ -84,6 +85,8 @@ def activation_memory(capture: Capture, keep: SavePolicy | None = None) -> Activ
                 read_at = position[node] if node.op != "output" else len(nodes)  # outputs stay
                 if reader_top is not None and _top_module(capture.module.get(made_by.get(key), "")) != reader_top:
                     read_at = forward_end  # held by the model's own forward (see _top_module)
+                if backward and capture.phase.get(made_by.get(key), None) == FORWARD:
+                    read_at = max(read_at, node_end.get(grad_fn_of(node), read_at))  # see _autograd_node_ends
                 last_read[key] = max(last_read.get(key, 0), read_at)
                 if backward:
                     read_by_backward.add(key)
@@ -105,6 +108,20 @@ def activation_memory(capture: Capture, keep: SavePolicy | None = None) -> Activ
     return ActivationMemory(saved_bytes=saved, step_peak_bytes=peak, activation_peak_bytes=activation_peak,
                             saved_total_bytes=sum(saved.values()), reserved_peak_bytes=reserved,
                             allocated_peak_bytes=allocated)
+
+
+def _autograd_node_ends(nodes: list, position: dict) -> dict:
+    """The position of each autograd node's last op in backward. A node's saved tensors are released when its
+    backward function returns (torch/csrc/autograd/engine.cpp, Engine::evaluate_function: ``fn.release_variables()`` after
+    ``call_function``),
+    not at their last read inside it: where a formula is several ops (a custom Function's, as
+    parallel/loss_parallel.py's), what it saved is held through all of them."""
+    ends = {}
+    for node in nodes:
+        grad_fn = grad_fn_of(node)
+        if grad_fn is not None:
+            ends[grad_fn] = position[node]
+    return ends
 
 
 def _top_module(path: str) -> str:
