@@ -58,6 +58,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 from tabulate import tabulate
 
@@ -97,42 +98,68 @@ NEMO_FP8 = {"Llama 3 70B FP8 H100": ("llama-3-70b", 80, "h100-sxm", 64, 4, 8, 1,
 # torchtitan enables flash and efficient only (torchtitan/distributed/utils.py, get_train_context).
 TORCHTITAN_SDPA = ("flash", "efficient", "math")
 TORCHTITAN_CP_SDPA = ("flash", "efficient")
-# name: (model, dp (FSDP), tp, local batch, seq, recompute, stack, fp8 recipe or None, AsyncTP,
-#        published tokens/s per GPU, published peak memory GiB (torch.cuda.max_memory_reserved) or None)
+
+
+class TorchtitanRun(NamedTuple):
+    """One published torchtitan run: its layout as run, and what it published."""
+    model: str
+    dp: int  # FSDP
+    tp: int
+    batch: int  # local batch
+    seq: int
+    recompute: str
+    stack: str
+    fp8_recipe: str | None
+    async_tp: bool
+    tokens_per_s: float  # published, per GPU
+    memory_gib: float | None  # published peak memory (torch.cuda.max_memory_reserved), GiB; None: not published
+
+
 TORCHTITAN = {
-    "torchtitan 8B FSDP": ("llama-3-8b", 8, 1, 2, 8192, "op", "eager", None, False, 5762, 82.4),
-    "torchtitan 8B FSDP compile": ("llama-3-8b", 8, 1, 2, 8192, "op", "compiled", None, False, 6667, 77.0),
-    "torchtitan 8B FSDP compile Float8": ("llama-3-8b", 8, 1, 2, 8192, "op", "compiled", "torchao", False, 8532, 76.8),
+    "torchtitan 8B FSDP": TorchtitanRun("llama-3-8b", 8, 1, 2, 8192, "op", "eager", None, False, 5762, 82.4),
+    "torchtitan 8B FSDP compile": TorchtitanRun("llama-3-8b", 8, 1, 2, 8192, "op", "compiled", None, False, 6667, 77.0),
+    "torchtitan 8B FSDP compile Float8": TorchtitanRun("llama-3-8b", 8, 1, 2, 8192, "op", "compiled", "torchao", False,
+                                                       8532, 76.8),
     # its docs/performance.md as commit 904913f7 (2024-08-21) added it: Llama 3.1 405B on 128 of the same 95 GB
     # lower-TDP H100s, local batch 2, full recomputation, FSDP 16 x TP 8 ("Optimizations: None", Float8, + AsyncTP).
     # Its config compiled the blocks; "None" is read as no compile either (compiled, ours reads 130 tok/s, +19 %).
-    "torchtitan 405B FSDP+TP": ("405b", 16, 8, 2, 8192, "full", "eager", None, False, 109, None),
-    "torchtitan 405B FSDP+TP Float8": ("405b", 16, 8, 2, 8192, "full", "compiled", "torchao", False, 177, None),
-    "torchtitan 405B FSDP+TP Float8 AsyncTP": ("405b", 16, 8, 2, 8192, "full", "compiled", "torchao", True, 185, None),
-    # benchmarks/llama3_h100_202412_torchtitan.md again: its Table 4 (Llama 3.1 70B, 256 GPUs, local batch 16, full AC, compile, Float8): 2D, then 2D + AsyncTP
-    "torchtitan 70B FSDP+TP Float8": ("llama-3-70b", 32, 8, 16, 8192, "full", "compiled", "torchao", False, 829, 71.9),
-    "torchtitan 70B FSDP+TP Float8 AsyncTP": ("llama-3-70b", 32, 8, 16, 8192, "full", "compiled", "torchao", True, 876,
-                                              67.6),
+    "torchtitan 405B FSDP+TP": TorchtitanRun("405b", 16, 8, 2, 8192, "full", "eager", None, False, 109, None),
+    "torchtitan 405B FSDP+TP Float8": TorchtitanRun("405b", 16, 8, 2, 8192, "full", "compiled", "torchao", False, 177,
+                                                    None),
+    "torchtitan 405B FSDP+TP Float8 AsyncTP": TorchtitanRun("405b", 16, 8, 2, 8192, "full", "compiled", "torchao", True,
+                                                            185, None),
+    # benchmarks/llama3_h100_202412_torchtitan.md again: its Table 4 (Llama 3.1 70B, 256 GPUs, local batch 16, full
+    # AC, compile, Float8): 2D, then 2D + AsyncTP
+    "torchtitan 70B FSDP+TP Float8": TorchtitanRun("llama-3-70b", 32, 8, 16, 8192, "full", "compiled", "torchao", False,
+                                                   829, 71.9),
+    "torchtitan 70B FSDP+TP Float8 AsyncTP": TorchtitanRun("llama-3-70b", 32, 8, 16, 8192, "full", "compiled",
+                                                           "torchao", True, 876, 67.6),
     # its Table 3 (Llama 3.1 8B, 128 GPUs over 16 nodes, local batch 2, selective op recomputation)
-    "torchtitan 8B FSDP 128 GPUs": ("llama-3-8b", 128, 1, 2, 8192, "op", "eager", None, False, 5605, 67.0),
-    "torchtitan 8B FSDP compile 128 GPUs": ("llama-3-8b", 128, 1, 2, 8192, "op", "compiled", None, False, 6514, 62.0),
-    "torchtitan 8B FSDP compile Float8 128 GPUs": ("llama-3-8b", 128, 1, 2, 8192, "op", "compiled", "torchao", False,
-                                                   8380, 61.8),
+    "torchtitan 8B FSDP 128 GPUs": TorchtitanRun("llama-3-8b", 128, 1, 2, 8192, "op", "eager", None, False, 5605, 67.0),
+    "torchtitan 8B FSDP compile 128 GPUs": TorchtitanRun("llama-3-8b", 128, 1, 2, 8192, "op", "compiled", None, False,
+                                                         6514, 62.0),
+    "torchtitan 8B FSDP compile Float8 128 GPUs": TorchtitanRun("llama-3-8b", 128, 1, 2, 8192, "op", "compiled",
+                                                                "torchao", False, 8380, 61.8),
     # its benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md (the same Grand Teton H100s at 500 W; torch of
     # 2025-06-14; the markdown table of commit 8b6770a1): AsyncTP against vanilla TP, torch.compile, seq 8,192 (the
     # train configs' default), no memory published. Its float8 rowwise rows are left out: their vanilla baseline is
     # a bug it names (pytorch/torchtitan#1207), slower than bf16.
-    "torchtitan 2025-06 70B TP bf16": ("llama-3-70b", 32, 8, 16, 8192, "full", "compiled", None, False, 597.3, None),
-    "torchtitan 2025-06 70B AsyncTP bf16": ("llama-3-70b", 32, 8, 16, 8192, "full", "compiled", None, True, 652.4, None),
-    "torchtitan 2025-06 70B TP Float8": ("llama-3-70b", 32, 8, 16, 8192, "full", "compiled", "torchao", False, 809.8,
-                                         None),
-    "torchtitan 2025-06 70B AsyncTP Float8": ("llama-3-70b", 32, 8, 16, 8192, "full", "compiled", "torchao", True,
-                                              942.4, None),
-    "torchtitan 2025-06 8B TP bf16": ("llama-3-8b", 8, 8, 12, 8192, "op", "compiled", None, False, 4378, None),
-    "torchtitan 2025-06 8B AsyncTP bf16": ("llama-3-8b", 8, 8, 12, 8192, "op", "compiled", None, True, 4809.4, None),
-    "torchtitan 2025-06 8B TP Float8": ("llama-3-8b", 8, 8, 12, 8192, "op", "compiled", "torchao", False, 5078.1, None),
-    "torchtitan 2025-06 8B AsyncTP Float8": ("llama-3-8b", 8, 8, 12, 8192, "op", "compiled", "torchao", True, 5570.1,
-                                             None),
+    "torchtitan 2025-06 70B TP bf16": TorchtitanRun("llama-3-70b", 32, 8, 16, 8192, "full", "compiled", None, False,
+                                                    597.3, None),
+    "torchtitan 2025-06 70B AsyncTP bf16": TorchtitanRun("llama-3-70b", 32, 8, 16, 8192, "full", "compiled", None, True,
+                                                         652.4, None),
+    "torchtitan 2025-06 70B TP Float8": TorchtitanRun("llama-3-70b", 32, 8, 16, 8192, "full", "compiled", "torchao",
+                                                      False, 809.8, None),
+    "torchtitan 2025-06 70B AsyncTP Float8": TorchtitanRun("llama-3-70b", 32, 8, 16, 8192, "full", "compiled",
+                                                           "torchao", True, 942.4, None),
+    "torchtitan 2025-06 8B TP bf16": TorchtitanRun("llama-3-8b", 8, 8, 12, 8192, "op", "compiled", None, False, 4378,
+                                                   None),
+    "torchtitan 2025-06 8B AsyncTP bf16": TorchtitanRun("llama-3-8b", 8, 8, 12, 8192, "op", "compiled", None, True,
+                                                        4809.4, None),
+    "torchtitan 2025-06 8B TP Float8": TorchtitanRun("llama-3-8b", 8, 8, 12, 8192, "op", "compiled", "torchao", False,
+                                                     5078.1, None),
+    "torchtitan 2025-06 8B AsyncTP Float8": TorchtitanRun("llama-3-8b", 8, 8, 12, 8192, "op", "compiled", "torchao",
+                                                          True, 5570.1, None),
 }
 # Rows whose train config gathers the Float8 linears' weights in FP8 under FSDP2 (torchao's float8 all-gather,
 # ``--fp8-param-gather``): the 405B config of torchtitan at 904913f7, train_configs/llama3_405b.toml [float8]
@@ -269,7 +296,7 @@ def async_tp_pairs(tokens_per_s: dict) -> list:
     rows = []
     for off, on in ASYNC_TP_PAIRS:
         if off in tokens_per_s and on in tokens_per_s:
-            published = 100 * (TORCHTITAN[on][9] / TORCHTITAN[off][9] - 1)
+            published = 100 * (TORCHTITAN[on].tokens_per_s / TORCHTITAN[off].tokens_per_s - 1)
             ours = 100 * (tokens_per_s[on] / tokens_per_s[off] - 1)
             rows.append([on.replace(" AsyncTP", ""), f"{published:+.1f} %", f"{ours:+.1f} %", f"{ours - published:+.1f}",
                          "yes" if abs(ours - published) <= 3 else "no"])
