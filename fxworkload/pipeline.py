@@ -322,7 +322,7 @@ def _capture(model, batch, seq, dtype, grad_dtype, gpu, every_layer, say, parall
     from .capture.trace import capture_training_step
     from .cost.flops import register_transformers_ops
     from .parallel import tensor_parallel
-    from .parallel.loss_parallel import with_loss_parallel
+    from .parallel.loss_parallel import with_vocab_parallel_loss
     from .workload.layers import SHORT_LAYERS, fast_workload
     from .workload.table import build
 
@@ -337,11 +337,9 @@ def _capture(model, batch, seq, dtype, grad_dtype, gpu, every_layer, say, parall
     check_parallel(parallel, facts)  # before any progress line: a bad layout is the only thing said
     say(f"built {spec.name} on the meta device ({dtype})")
 
-    loss_parallel = parallel.tp > 1 and check_stack(stack).vocab_parallel_loss == "loss-parallel"
-
     def prepare(module: torch.nn.Module) -> torch.nn.Module:
         rank = tensor_parallel.shard(module, tensor_parallel.plan_for(module), parallel.tp, parallel.ep)
-        return with_loss_parallel(rank) if loss_parallel else rank
+        return with_vocab_parallel_loss(rank, check_stack(stack).vocab_parallel_loss) if parallel.tp > 1 else rank
 
     register_transformers_ops()
     if not every_layer and facts.layers > max(SHORT_LAYERS):

@@ -41,16 +41,15 @@ class Stack:
     # "eager": torch's unfused merges; "fused": one kernel a step; "fused-p2p": Transformer Engine's, whose
     # p2p ring merges and whose all-gather runs one kernel per chunk with nothing to merge
     ring_merges: str = "eager"
-    # under tensor parallelism, the loss over the vocabulary shard: "loss-parallel", torch's decomposition
-    # (parallel/loss_parallel.py, torchtitan's default); "fused": the fused log-softmax the model's own loss
-    # runs, standing for Megatron-LM's vocab-parallel cross entropy
+    # under tensor parallelism, the loss over the vocabulary shard (parallel/loss_parallel.py): "loss-parallel",
+    # torch's decomposition (torchtitan's default); "megatron": Megatron-LM's in-place vocab-parallel cross entropy
     vocab_parallel_loss: str = "loss-parallel"
 
 
 STACKS = {
     "eager": Stack("eager", False, "autograd", "PyTorch eager; autograd's derivatives.yaml"),
     "fused": Stack("fused", True, "fused", "Megatron-LM / Transformer Engine fused kernels (megatron/core/fusions)",
-                   ring_merges="fused-p2p", vocab_parallel_loss="fused"),
+                   ring_merges="fused-p2p", vocab_parallel_loss="megatron"),
     "compiled": Stack("compiled", True, "partitioner",
                       "torch.compile: AOTAutograd min_cut_rematerialization_partition + inductor fusion and "
                       "GEMM padding (torch/_inductor/fx_passes/pad_mm.py)", pads_gemms=True,
