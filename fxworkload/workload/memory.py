@@ -112,10 +112,9 @@ def activation_memory(capture: Capture, keep: SavePolicy | None = None) -> Activ
 
 def _autograd_node_ends(nodes: list, position: dict) -> dict:
     """The position of each autograd node's last op in backward. A node's saved tensors are released when its
-    backward function returns (torch/csrc/autograd/engine.cpp, Engine::evaluate_function: ``fn.release_variables()`` after
-    ``call_function``),
-    not at their last read inside it: where a formula is several ops (a custom Function's, as
-    parallel/loss_parallel.py's), what it saved is held through all of them."""
+    backward function returns (torch/csrc/autograd/engine.cpp, ``Engine::evaluate_function`` calls
+    ``fn.release_variables()`` after ``call_function``), not at their last read inside it: where a formula is
+    several ops (a custom Function's, as parallel/loss_parallel.py's), what it saved is held through all of them."""
     ends = {}
     for node in nodes:
         grad_fn = grad_fn_of(node)
