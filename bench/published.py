@@ -435,6 +435,19 @@ def describe(row: dict) -> str:
             + ("" if row["any_fits"] else " (none fits)"))
 
 
+def accuracy_line(rows: list, within_pct: float = 15.0) -> str:
+    """How many rows' last column (ours against published, "+x.xx%") lie within ``within_pct``, and the mean and
+    median of their |error|."""
+    errors = sorted(abs(float(row[-1].rstrip("%"))) for row in rows)
+    if not errors:
+        return ""
+    middle = len(errors) // 2
+    median = errors[middle] if len(errors) % 2 else (errors[middle - 1] + errors[middle]) / 2
+    inside = sum(error <= within_pct for error in errors)
+    return (f"{inside} of {len(errors)} within ±{within_pct:.0f} %; mean |error| {sum(errors) / len(errors):.1f} %, "
+            f"median {median:.1f} %")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", default=None, help="comma-separated row names (e.g. 1.7B,405B 8192 GPUs)")
@@ -461,6 +474,7 @@ def main() -> None:
     print(tabulate(rows, headers=["model", "layout", "gpus", "chosen (unsaid by the paper)",
                                   "published (TFLOP/s per GPU, or tok/s)", "ours", "ours_vs_published"],
                    tablefmt="github"))
+    print(accuracy_line(rows))
     native, tokens_per_s = [], {}
     for name in TORCHTITAN:
         if wanted is None or name in wanted or "torchtitan" in wanted:
@@ -474,6 +488,7 @@ def main() -> None:
         print("\nPyTorch-native runs (torchtitan; held out, issue 38's open gap):")
         print(tabulate(native, headers=["run", "layout", "gpus", "as run; peak memory ours vs published (reserved)",
                                         "published", "ours", "ours_vs_published"], tablefmt="github"))
+        print(accuracy_line(native))
     pairs = async_tp_pairs(tokens_per_s)
     if pairs:
         print("\nAsyncTP off and on (torchtitan, held out; issue 39: within 3 points of the published change):")
