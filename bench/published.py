@@ -54,6 +54,7 @@ from __future__ import annotations
 import argparse
 import json
 import itertools
+import statistics
 import sys
 import tempfile
 import time
@@ -438,14 +439,12 @@ def describe(row: dict) -> str:
 def accuracy_line(rows: list, within_pct: float = 15.0) -> str:
     """How many rows' last column (ours against published, "+x.xx%") lie within ``within_pct``, and the mean and
     median of their |error|."""
-    errors = sorted(abs(float(row[-1].rstrip("%"))) for row in rows)
+    errors = [abs(float(row[-1].rstrip("%"))) for row in rows]
     if not errors:
         return ""
-    middle = len(errors) // 2
-    median = errors[middle] if len(errors) % 2 else (errors[middle - 1] + errors[middle]) / 2
     inside = sum(error <= within_pct for error in errors)
-    return (f"{inside} of {len(errors)} within ±{within_pct:.0f} %; mean |error| {sum(errors) / len(errors):.1f} %, "
-            f"median {median:.1f} %")
+    return (f"{inside} of {len(errors)} within ±{within_pct:.0f} %; mean |error| {statistics.mean(errors):.1f} %, "
+            f"median {statistics.median(errors):.1f} %")
 
 
 def main() -> None:

@@ -94,29 +94,30 @@ class _MegatronVocabParallelCrossEntropy(torch.autograd.Function):
         return grad_input, None, None
 
 
-def megatron_causal_lm(logits, labels, vocab_size: int, num_items_in_batch=None, ignore_index: int = -100,
-                       shift_labels=None, **kwargs) -> torch.Tensor:
-    """transformers' ForCausalLMLoss with Megatron-LM's vocab-parallel cross entropy, which takes the logits in
-    their own dtype and makes the one fp32 copy itself."""
+def _causal_lm(cross_entropy, logits, labels, vocab_size: int, num_items_in_batch, ignore_index: int,
+               shift_labels) -> torch.Tensor:
+    """transformers' ForCausalLMLoss (the labels shifted, tokens flattened) with ``cross_entropy`` (an autograd
+    Function above) in place of ``nn.functional.cross_entropy``."""
     if shift_labels is None:
         labels = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)
         shift_labels = labels[..., 1:].contiguous()
-    loss = _MegatronVocabParallelCrossEntropy.apply(logits.view(-1, vocab_size),
-                                                    shift_labels.view(-1).to(logits.device), ignore_index)
+    loss = cross_entropy.apply(logits.view(-1, vocab_size), shift_labels.view(-1).to(logits.device), ignore_index)
     return loss if num_items_in_batch is None else loss * (shift_labels != ignore_index).sum() / num_items_in_batch
 
 
 def loss_parallel_causal_lm(logits, labels, vocab_size: int, num_items_in_batch=None, ignore_index: int = -100,
                             shift_labels=None, **kwargs) -> torch.Tensor:
-    """transformers' ForCausalLMLoss (the logits upcast, the labels shifted) with torch's loss-parallel cross
-    entropy in place of ``nn.functional.cross_entropy``."""
-    logits = logits.float()
-    if shift_labels is None:
-        labels = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)
-        shift_labels = labels[..., 1:].contiguous()
-    loss = _LossParallelCrossEntropy.apply(logits.view(-1, vocab_size), shift_labels.view(-1).to(logits.device),
-                                           ignore_index)
-    return loss if num_items_in_batch is None else loss * (shift_labels != ignore_index).sum() / num_items_in_batch
+    """torch's loss-parallel cross entropy on the fp32 logits, as ForCausalLMLoss upcasts them first."""
+    return _causal_lm(_LossParallelCrossEntropy, logits.float(), labels, vocab_size, num_items_in_batch, ignore_index,
+                      shift_labels)
+
+
+def megatron_causal_lm(logits, labels, vocab_size: int, num_items_in_batch=None, ignore_index: int = -100,
+                       shift_labels=None, **kwargs) -> torch.Tensor:
+    """Megatron-LM's vocab-parallel cross entropy, which takes the logits in their own dtype and makes the one
+    fp32 copy itself."""
+    return _causal_lm(_MegatronVocabParallelCrossEntropy, logits, labels, vocab_size, num_items_in_batch,
+                      ignore_index, shift_labels)
 
 
 VOCAB_PARALLEL_LOSSES = {"loss-parallel": loss_parallel_causal_lm, "megatron": megatron_causal_lm}
