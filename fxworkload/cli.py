@@ -52,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
                               "default) or torchao (torchao's Float8Linear as torchtitan runs it: dynamic tensor-wise "
                               "scaling, an amax pass before each cast, weights cast in every forward)")
     extract.add_argument("--sdpa-backends", type=_backends, default=None, metavar="LIST", help=SDPA_BACKENDS_HELP)
+    extract.add_argument("--attention", default=None, metavar="IMPL", help=ATTENTION_HELP)
     extract.add_argument("--size-unit", choices=["bytes", "elements"], default="bytes",
                          help="unit of the gradient all-reduce sizes in workload.tsv (default bytes)")
     extract.add_argument("--trace-on", default="auto",
@@ -135,6 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                       "as large runs train; extract's default is fp32)")
     plan.add_argument("--stack", default="eager", help=STACK_HELP)
     plan.add_argument("--sdpa-backends", type=_backends, default=None, metavar="LIST", help=SDPA_BACKENDS_HELP)
+    plan.add_argument("--attention", default=None, metavar="IMPL", help=ATTENTION_HELP)
     plan.add_argument("--top", type=int, default=10, help="layouts listed (default 10; 0 = all that fit)")
     plan.add_argument("--workers", type=int, default=None, help="local processes (default: one per core)")
     plan.add_argument("--ray", default=None, metavar="ADDRESS",
@@ -194,6 +196,9 @@ def _out_dir(text: str) -> Path:
 
 FP8_HELP = ("FP8 training as Transformer Engine runs it: the decoder layers' linear GEMMs (forward and both "
             "backward) at the GPU's FP8 peak, with their casts; attention, norms, embedding and head in --dtype")
+ATTENTION_HELP = ("transformers' attention implementation the run sets: sdpa, eager, or flex (FlexAttention: its "
+                  "kernel visits only the block mask's tiles and keeps no score matrix; GPT-OSS's sinks and sliding "
+                  "windows; needs --no-dropout where the model has attention dropout); default: the model's own")
 SDPA_BACKENDS_HELP = ("the attention kernels the run enables, comma-separated, as torch.nn.attention.sdpa_kernel "
                       "does: flash, efficient, math, cudnn (default: all, in --device's order: cuDNN first on "
                       "H100/H200/B200 as torch 2.10+ with cuDNN > 9.15 chooses; flash,efficient,math is the "
@@ -359,7 +364,7 @@ def _extract(args, set_stage) -> int:
                      use_cache=not args.no_cache, every_layer=args.every_layer, progress=True, parallel=parallel,
                      dropout=not args.no_dropout,
                      name=args.name, stack=args.stack, fp8=args.fp8, topology=args.topology,
-                     fp8_recipe=args.fp8_recipe, sdpa_backends=args.sdpa_backends)
+                     fp8_recipe=args.fp8_recipe, sdpa_backends=args.sdpa_backends, attention=args.attention)
     set_stage(f"writing {', '.join(formats)} of {result.name}")
     summary = result.summary(args.top, formats)
     return _publish(args.out or Path("outputs") / result.name, summary, result.files(formats), result.settings)
@@ -486,7 +491,8 @@ def run_plan(args) -> int:
                   dtype=args.dtype, workers=args.workers, ray=args.ray, progress=True, stack=args.stack,
                   cp=_degrees(args.cp, "--cp"), fp8=args.fp8, topology=args.topology,
                   overlap_param_gather=args.overlap_param_gather, tp_comm_overlap=args.tp_comm_overlap,
-                  offload=args.offload, cuda_graphs=args.cuda_graphs, sdpa_backends=args.sdpa_backends)
+                  offload=args.offload, cuda_graphs=args.cuda_graphs, sdpa_backends=args.sdpa_backends,
+                  attention=args.attention)
     text = plan_text(result, args.top)
     out = args.out or Path("outputs") / f"{result['model']}-plan-{args.gpus}"
     files = {"plan.json": json.dumps(result, indent=1, sort_keys=True) + "\n", "plan.txt": text}

@@ -20,7 +20,7 @@ import torch
 from . import __version__
 from .capture.attention import GpuTarget, enabled
 from .capture.builtin import locate, without_dropout
-from .capture.sdpa_backends import check_sdpa_backends
+from .capture.sdpa_backends import check_attention, check_sdpa_backends
 from .cost import devices
 from .cost.devices import DeviceProfile
 from .cost.gpu import RESIDENT_THREADS, SM_THREADS
@@ -193,7 +193,7 @@ def extract(model: str, batch: int = 1, seq: int | None = None, dtype: str = "fp
             progress: bool = False, parallel: Parallel | None = None, name: str | None = None,
             stack: str = "eager", fp8: bool = False, rank_view: bool = True,
             topology: str | None = None, dropout: bool = True, fp8_recipe: str = "te",
-            sdpa_backends: tuple[str, ...] | None = None) -> Extraction:
+            sdpa_backends: tuple[str, ...] | None = None, attention: str | None = None) -> Extraction:
     """One training step of ``model`` (a built-in name, checkpoint folder, config.json or cached
     HuggingFace id), costed on ``device``; ``name`` replaces the model's name in the outputs.
     ``trace_on`` is whose dispatch the graph follows: ``auto`` (the device profile's: a GPU profile
@@ -206,6 +206,8 @@ def extract(model: str, batch: int = 1, seq: int | None = None, dtype: str = "fp
     ``fp8_recipe``: with ``fp8``, whose FP8 scaling runs: ``te`` (Transformer Engine) or ``torchao`` (workload/fp8.py).
     ``sdpa_backends``: the attention kernels the run enables, as ``torch.nn.attention.sdpa_kernel`` (e.g.
     ``("flash", "efficient")``, torchtitan's with context parallelism); None: all, in the GPU profile's order.
+    ``attention``: transformers' attention implementation the run sets (``sdpa``, ``eager`` or ``flex``:
+    FlexAttention, capture/flex.py); None: the model's default.
     ``dropout=False``: every dropout probability of the config 0, as a loop runs the model in eval mode
     (``from_pretrained``'s, until ``model.train()``).
     ``rank_view=False`` stops at the costed step (a ``CostedStep``: what a layout search evaluates
@@ -215,6 +217,7 @@ def extract(model: str, batch: int = 1, seq: int | None = None, dtype: str = "fp
     check_settings(batch, seq, dtype, grad_dtype)
     check_values(parallel)
     check_stack(stack)
+    check_attention(attention)
     if name is not None:
         check_name(name, "--name")
     profile = devices.with_topology(load_device(device, say=print_progress if progress else None), topology)
@@ -247,7 +250,8 @@ def extract(model: str, batch: int = 1, seq: int | None = None, dtype: str = "fp
     raw_config = _raw_config(config_path)
     # the kernels' scratch (workload/scratch.py) follows the GPU's SMs: two sm90 boards differ
     trace_device = traced_on if gpu is None else f"{traced_on} {gpu.sm_count}x{gpu.threads_per_sm}"
-    cache_key = graph_cache.key(raw_config if dropout else without_dropout(raw_config), batch, seq, dtype, grad_dtype,
+    keyed_config = raw_config if attention is None else {**raw_config, "_attn_implementation": attention}
+    cache_key = graph_cache.key(keyed_config if dropout else without_dropout(keyed_config), batch, seq, dtype, grad_dtype,
                                 trace_device,
                                 shards=(parallel.tp, parallel.ep), vocab_multiple=parallel.vocab_multiple,
                                 every_layer=every_layer, stack=stack)
@@ -259,7 +263,7 @@ def extract(model: str, batch: int = 1, seq: int | None = None, dtype: str = "fp
         workload, seq, facts = cached.workload, cached.seq, cached.facts
     else:
         workload, seq, facts = _capture(model, batch, seq, dtype, grad_dtype, gpu, every_layer, say, parallel, stack,
-                                        dropout)
+                                        dropout, attention)
         say(f"captured {len(workload.ops())} ops in {time.perf_counter() - start:.1f} s")
         if use_cache:
             graph_cache.save(cache_key, graph_cache.CachedStep(workload=workload, seq=seq, facts=facts))
@@ -289,6 +293,8 @@ def extract(model: str, batch: int = 1, seq: int | None = None, dtype: str = "fp
         settings["topology"] = topology
     if sdpa_backends is not None:
         settings["sdpa_backends"] = list(sdpa_backends)
+    if attention is not None:
+        settings["attention"] = attention
     rank = rank_workload(facts, workload, parallel, batch, seq, dtype, grad_dtype)
     memory = rank_memory(rank.parallel, rank.units, workload, dtype, grad_dtype, captured_saved_bytes,
                          regenerated_bytes, profile.memory_capacity_bytes, profile.host_memory_capacity_bytes)
@@ -315,7 +321,8 @@ def _raw_config(path) -> dict:
     return data if isinstance(data, dict) else {"not_an_object": str(path)}
 
 
-def _capture(model, batch, seq, dtype, grad_dtype, gpu, every_layer, say, parallel, stack, dropout=True):
+def _capture(model, batch, seq, dtype, grad_dtype, gpu, every_layer, say, parallel, stack, dropout=True,
+             attention=None):
     """Resolve with transformers, check the layout, and capture: (workload, seq, facts)."""
     from .capture import models
     from .capture.models import step_seq
@@ -329,6 +336,7 @@ def _capture(model, batch, seq, dtype, grad_dtype, gpu, every_layer, say, parall
     spec = _with_padded_vocab(models.resolve(model), parallel.vocab_multiple, parallel.tp)
     if not dropout:
         spec = models.spec_without_dropout(spec)
+    spec = models.spec_with_attention(spec, attention)
     if parallel.cp > 1:  # the rank's tokens are captured; the whole sequence must fit the model's positions
         step_seq(spec, seq * parallel.cp)
     seq = step_seq(spec, seq)

@@ -74,6 +74,7 @@ class Run:
     offload: bool = False  # every ZeRO 1-3 layout is also tried with its optimizer on the host (cluster/offload.py)
     cuda_graphs: str = "none"  # every layout replays its layers or its step from CUDA graphs (workload/cuda_graphs.py)
     sdpa_backends: tuple[str, ...] | None = None  # the attention kernels enabled (torch.nn.attention.sdpa_kernel)
+    attention: str | None = None  # transformers' attention implementation (sdpa, eager, flex); None: the model's
 
 
 @dataclass(frozen=True)
@@ -170,13 +171,13 @@ def _divisors(n: int) -> list[int]:
 def evaluate_shape(model: str, shape: Shape, layouts: list, seq: int, dtype: str, device: str,
                    stack: str = "eager", grad_dtype: str | None = None, fp8: bool = False,
                    time_unfit: bool = True, topology: str | None = None,
-                   sdpa_backends: tuple[str, ...] | None = None) -> list[dict]:
+                   sdpa_backends: tuple[str, ...] | None = None, attention: str | None = None) -> list[dict]:
     """Capture (or read from the cache) one rank shape and evaluate each of its layouts: its memory first,
     then, where it fits (or with ``time_unfit``), its step. A layout that does not fit gets no step figures
     (None): a plan ranks only those that fit, and most layouts of a large model do not."""
     with _collector_paused():
         return _evaluate_shape(model, shape, layouts, seq, dtype, device, stack, grad_dtype or dtype, fp8, time_unfit,
-                               topology, sdpa_backends)
+                               topology, sdpa_backends, attention)
 
 
 @contextlib.contextmanager
@@ -195,14 +196,14 @@ def _collector_paused():
 
 
 def _evaluate_shape(model, shape, layouts, seq, dtype, device, stack, grad_dtype, fp8, time_unfit,
-                    topology=None, sdpa_backends=None) -> list[dict]:
+                    topology=None, sdpa_backends=None, attention=None) -> list[dict]:
     from .dtypes import DTYPES
     from .parallel.recompute import with_recompute
     from .pipeline import extract
 
     first = layouts[0]
     base = extract(model, batch=shape.micro_batch, seq=seq, dtype=dtype, grad_dtype=grad_dtype, device=device,
-                   stack=stack, fp8=fp8, rank_view=False, topology=topology, sdpa_backends=sdpa_backends,
+                   stack=stack, fp8=fp8, rank_view=False, topology=topology, sdpa_backends=sdpa_backends, attention=attention,
                    parallel=replace(first, pp=1, vpp=1, pp_layers=None, micro_batches=1, zero=0, recompute="none",
                                     recompute_layers=None))
     facts, captured, profile, seq = base.facts, base.workload, base.device, base.seq_per_rank
@@ -293,7 +294,7 @@ def plan(model: str, gpus: int, global_batch: int, seq: int, device: str = "h100
          workers: int | None = None, ray: str | None = None, progress: bool = False, stack: str = "eager",
          cp: tuple[int, ...] = (1,), fp8: bool = False, topology: str | None = None,
          overlap_param_gather: bool = False, tp_comm_overlap: bool = False, offload: bool = False,
-         cuda_graphs: str = "none", sdpa_backends: tuple[str, ...] | None = None) -> dict:
+         cuda_graphs: str = "none", sdpa_backends: tuple[str, ...] | None = None, attention: str | None = None) -> dict:
     """``device``: one profile name or several, comma-separated (every layout is evaluated on each);
     ``cp``: the context-parallel degrees to search; ``fp8``: every layout trains in FP8 (workload/fp8.py);
     ``topology``: ``--topology key=value,...`` over each device's own network (cost/topology.py);
@@ -301,8 +302,9 @@ def plan(model: str, gpus: int, global_batch: int, seq: int, device: str = "h100
     ``tp_comm_overlap``: layouts with tp > 1 overlap their blocks' TP collectives with the GEMMs;
     ``offload``: every ZeRO layout is also tried with its optimizer stepped on the host (cluster/offload.py);
     ``cuda_graphs``: none, layers or step: what every layout replays from CUDA graphs (workload/cuda_graphs.py);
-    ``sdpa_backends``: the attention kernels every layout's run enables (None: all, in the profile's order)."""
-    from .capture.sdpa_backends import check_sdpa_backends
+    ``sdpa_backends``: the attention kernels every layout's run enables (None: all, in the profile's order);
+    ``attention``: transformers' attention implementation every layout runs (None: the model's default)."""
+    from .capture.sdpa_backends import check_attention, check_sdpa_backends
     from .parallel.layout import Parallel, check_values
     from .workload.stacks import check_stack
 
@@ -310,8 +312,9 @@ def plan(model: str, gpus: int, global_batch: int, seq: int, device: str = "h100
     check_stack(stack)
     check_values(Parallel(cuda_graphs=cuda_graphs))
     check_sdpa_backends(sdpa_backends)
+    check_attention(attention)
     run = Run(model, gpus, global_batch, seq, dtype, stack, check_cp_degrees(cp), fp8, overlap_param_gather,
-              tp_comm_overlap, offload, cuda_graphs, sdpa_backends)
+              tp_comm_overlap, offload, cuda_graphs, sdpa_backends, attention)
     system = System(tuple(_plan_device(name, fp8, dtype, topology) for name in _device_names(device)), topology)
     if offload:
         from .cluster.offload import check_host_tier
@@ -331,7 +334,8 @@ def plan(model: str, gpus: int, global_batch: int, seq: int, device: str = "h100
         {"overlap_param_gather": True} if overlap_param_gather else {}) | (
         {"tp_comm_overlap": True} if tp_comm_overlap else {}) | ({"optimizer_offload": True} if offload else {}) | (
         {"cuda_graphs": cuda_graphs} if cuda_graphs != "none" else {}) | (
-        {"sdpa_backends": list(sdpa_backends)} if sdpa_backends is not None else {})
+        {"sdpa_backends": list(sdpa_backends)} if sdpa_backends is not None else {}) | (
+        {"attention": attention} if attention is not None else {})
 
 
 def _plan(run: Run, system: System, workers, ray, progress, early) -> dict:
@@ -356,7 +360,7 @@ def _plan(run: Run, system: System, workers, ray, progress, early) -> dict:
                         f"pipeline stages at most its {facts.layers} layers, and data parallelism x micro-batch the "
                         "global batch; choose a GPU count and batch those divide")
     settings = {"seq": seq, "dtype": dtype, "stack": run.stack, "fp8": run.fp8, "topology": system.topology,
-                "sdpa_backends": run.sdpa_backends, "devices": {p.name: asdict(p) for p in profiles}, "config": _raw_config(model)}
+                "sdpa_backends": run.sdpa_backends, "attention": run.attention, "devices": {p.name: asdict(p) for p in profiles}, "config": _raw_config(model)}
     rows = _run(model, groups, settings, workers, ray, progress, early)
     fitting = sorted((r for r in rows if r["fits"]), key=rank_key)
     for row in fitting:  # within the best's error interval: the estimates cannot tell them apart
@@ -696,7 +700,7 @@ def _run(model, groups, settings, workers, ray_address, progress, early=None) ->
     rows, tasks = [], []
     for (device, shape), layouts in groups.items():
         task = (model, (device, shape), layouts, settings["seq"], settings["dtype"], settings["stack"], settings["fp8"],
-                settings["topology"], settings["sdpa_backends"])
+                settings["topology"], settings["sdpa_backends"], settings["attention"])
         path = _rows_entry(task, settings)
         cached = _cached_rows(path, task)
         if cached is None:
@@ -810,9 +814,9 @@ def _evaluate_indexed(item: tuple) -> tuple[int, list[dict]]:
 
 
 def _evaluate(task: tuple) -> list[dict]:
-    model, (device, shape), layouts, seq, dtype, stack, fp8, topology, sdpa_backends = task
+    model, (device, shape), layouts, seq, dtype, stack, fp8, topology, sdpa_backends, attention = task
     return evaluate_shape(model, shape, layouts, seq, dtype, device, stack, fp8=fp8, time_unfit=False,
-                          topology=topology, sdpa_backends=sdpa_backends)
+                          topology=topology, sdpa_backends=sdpa_backends, attention=attention)
 
 
 def _worker_start() -> None:

@@ -246,8 +246,8 @@ def _tagged(backend: str):
     meta["custom"] = {**(custom or {}), BACKEND_KEY: backend}
     try:
         yield
-    finally:
-        meta["custom"] = custom if custom is not None else {}
+    finally:  # the current meta fetched again: a higher-order op's trace (flex attention) may have replaced it
+        fx_traceback.get_current_meta()["custom"] = custom if custom is not None else {}
 
 
 @contextlib.contextmanager

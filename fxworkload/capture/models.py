@@ -21,6 +21,7 @@ from transformers.models.auto.modeling_auto import (
 )
 
 from .builtin import is_dropout_setting, locate
+from .sdpa_backends import ATTENTION_IMPLEMENTATIONS
 from ..errors import UserError
 from ..limits import MAX_LAYERS
 
@@ -122,6 +123,22 @@ def spec_without_dropout(spec: ModelSpec) -> ModelSpec:
         for name, value in list(vars(holder).items()):
             if is_dropout_setting(name, value):
                 setattr(holder, name, 0.0)
+    return replace(spec, config=config)
+
+
+def spec_with_attention(spec: ModelSpec, attention: str | None) -> ModelSpec:
+    """The spec whose model runs ``attention`` (transformers' attn_implementation), refused with one line where
+    the model's class does not support it (its ``_supports_sdpa`` / ``_supports_flex_attn``)."""
+    if attention is None:
+        return spec
+    implementation = ATTENTION_IMPLEMENTATIONS[attention]
+    model_class = _auto_class(spec)._model_mapping.get(type(spec.config), None)
+    flag = {"sdpa": "_supports_sdpa", "flex_attention": "_supports_flex_attn"}.get(implementation)
+    if model_class is not None and flag and not getattr(model_class, flag, False):
+        raise UserError(f"{spec.name} ({spec.config.model_type}) does not support --attention {attention} in "
+                        f"transformers; leave --attention out for its default")
+    config = copy.deepcopy(spec.config)
+    config._attn_implementation = implementation
     return replace(spec, config=config)
 
 

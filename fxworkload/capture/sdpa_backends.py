@@ -20,3 +20,12 @@ def check_sdpa_backends(sdpa_backends: tuple[str, ...] | None) -> None:
         raise UserError(f"--sdpa-backends {','.join(sdpa_backends)!r}: name one or more of {', '.join(SDPA_BACKENDS)}, "
                         "comma-separated (torch.nn.attention.SDPBackend's FLASH_ATTENTION, EFFICIENT_ATTENTION, MATH, "
                         "CUDNN_ATTENTION)")
+
+
+# --attention: transformers' attn_implementation a run sets (None: the model's own default)
+ATTENTION_IMPLEMENTATIONS = {"sdpa": "sdpa", "eager": "eager", "flex": "flex_attention"}
+
+
+def check_attention(attention: str | None) -> None:
+    if attention is not None and attention not in ATTENTION_IMPLEMENTATIONS:
+        raise UserError(f"unknown --attention '{attention}': use one of {', '.join(ATTENTION_IMPLEMENTATIONS)}")

@@ -26,6 +26,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from ..errors import UserError
 from ..progress import set_stage, stage
 from .attention import GpuTarget, dispatch_for, eager_attention_tagged
+from .flex import flex_capture
 
 FORWARD = "forward"
 INPUT_GRAD = "input_grad"
@@ -77,7 +78,7 @@ def capture_training_step(model: torch.nn.Module, batch: int, seq: int, device: 
 
     progress_head = stage()
     with fx_traceback.preserve_node_meta(), _module_stack_recorder(model), _trace_friendly(model), \
-            dispatch_for(gpu), eager_attention_tagged(model), _layer_progress(model, progress_head):
+            dispatch_for(gpu), eager_attention_tagged(model), flex_capture(), _layer_progress(model, progress_head):
         try:
             gm = make_fx(training_step, tracing_mode="fake")(values, input_ids)
         except Exception as exc:  # any failure inside the model's own code

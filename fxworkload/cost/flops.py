@@ -136,8 +136,8 @@ PER_ELEMENT_RULES: dict[str, Rule] = {
 
 def formula_for(target):
     packet = getattr(target, "overloadpacket", None)
-    if packet is None:
-        return None
+    if packet is None:  # a higher-order op torch counts (flex_attention and its backward, dense as torch does)
+        return flop_registry.get(target) if isinstance(target, torch._ops.HigherOrderOperator) else None
     if packet in flop_registry:
         return flop_registry[packet]
     return EXTRA_FORMULAS.get(packet)
@@ -160,8 +160,8 @@ def base_name(op: str) -> str:
 def op_kind(target, is_alias: bool) -> str:
     if is_alias or target is operator.getitem:
         return VIEW
-    packet = getattr(target, "overloadpacket", None)
-    if packet is not None and "attention" in packet.__name__:
+    packet = getattr(target, "overloadpacket", target)
+    if "attention" in getattr(packet, "__name__", ""):
         return ATTENTION
     if formula_for(target) is not None:
         return MATMUL

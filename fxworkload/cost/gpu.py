@@ -65,6 +65,19 @@ HEAD_DIM_TILE = 64
 FLASH_FORWARD_TILE = (128, 64)
 FLASH_FORWARD_CTAS_PER_SM = 2
 FLASH_SM8X = frozenset({"sm86", "sm87", "sm89"})
+# FlexAttention's generated Triton kernels (capture/flex.py) against FlashAttention-2, PyTorch's flash backend, on
+# the same dense shapes, as their authors published them (D. Guessous et al., "FlexAttention: The Flexibility of
+# PyTorch With the Performance of FlashAttention", GTC 2025, and arXiv 2412.05496): on A100s 90 % of FA2's speed
+# forward and 85 % backward (its backward recomputes more than FA2's); on H100s forward ~25 % faster than FA2 and
+# backward ~3 % faster (Triton issues Hopper's warp-group MMAs, FA2 does not). (forward, backward) speed over
+# flash's; other GPUs are assumed to be as the nearest measured one (sm80's below sm90, sm90's from it on).
+FLEX_OVER_FLASH = {"sm80": (0.90, 0.85), "sm90": (1.25, 1.03)}
+
+
+def flex_over_flash(arch: str, backward: bool) -> float:
+    """FlexAttention's kernel speed over FlashAttention-2's on ``arch`` (FLEX_OVER_FLASH)."""
+    hopper_on = arch.startswith("sm") and arch[2:].isdigit() and int(arch[2:]) >= 90
+    return FLEX_OVER_FLASH["sm90" if hopper_on else "sm80"][backward]
 LIST_SCHEDULE_MAX_CTAS = 1 << 17  # past this the grid's tail is under a percent of its time: the mean is used
 
 
@@ -333,12 +346,17 @@ def flash_causal_grid_ratio(sequences: int, q_len: int, kv_len: int, sm_count: i
 
 def attention_ns(flops: int, backend: str, backward: bool, dtype: str, *, batch: int, heads: int, q_len: int,
                  kv_len: int, head_dim: int, is_causal: bool, has_mask: bool, dropout: float,
-                 facts: GpuFacts, model: GpuModel, nbytes: int = 0) -> float:
+                 facts: GpuFacts, model: GpuModel, nbytes: int = 0, visited_share: float = 1.0) -> float:
+    """A fused attention kernel's time. ``backend`` flex: FlexAttention's kernel, which visits ``visited_share``
+    of the score tiles (its block mask's partial and full ones), flash's kernel on them over FLEX_OVER_FLASH."""
+    speed = 1.0
+    if backend == "flex":
+        backend, speed = "flash", flex_over_flash(facts.arch, backward)
     work = flops * math.ceil(head_dim / HEAD_DIM_TILE) * HEAD_DIM_TILE / head_dim
     direction = "backward" if backward else "forward"
     ctas = batch * heads * math.ceil(q_len / ATTENTION_TILE)  # one query block per CTA
     quantization = math.ceil(ctas / facts.sm_count) / (ctas / facts.sm_count)  # a last partial wave costs a whole one
-    grid = quantization  # the grid's time over its work at a full wave's rate
+    grid = quantization * visited_share  # the grid's time over its work at a full wave's rate
     if is_causal and not has_mask:
         if backend == "flash" and not backward and head_dim <= 128 and not dropout and facts.arch not in FLASH_SM8X:
             grid *= flash_causal_grid_ratio(batch * heads, q_len, kv_len, facts.sm_count)
@@ -357,7 +375,7 @@ def attention_ns(flops: int, backend: str, backward: bool, dtype: str, *, batch:
         seconds *= 1 + getattr(model, f"{backend}_{direction}_dropout_cost")
         seconds += grid * scores * getattr(model, f"attention_{direction}_dropout_flops") / alu_per_s
     seconds += getattr(model, f"attention_{direction}_memory_passes") * nbytes / streaming_bytes_per_s(facts, model)
-    return model.attention_kernel_ns + 1e9 * seconds
+    return model.attention_kernel_ns + 1e9 * seconds / speed
 
 
 # SoftMax.cu's kernel choice for rows along the last dimension (torch 2.11): rows of up to 1,024 run the

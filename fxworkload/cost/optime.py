@@ -35,8 +35,11 @@ _SOFTMAX_OPS = {"_softmax": False, "_log_softmax": False, "_softmax_backward_dat
                 "_log_softmax_backward_data": True}
 
 
-def attention_facts(target, args, kwargs) -> dict | None:
-    """Backend, direction and shapes of a fused GPU attention op, read through its schema; None otherwise."""
+def attention_facts(target, args, kwargs, blocks: tuple[int, int, int] | None = None) -> dict | None:
+    """Backend, direction and shapes of a fused GPU attention op, read through its schema; None otherwise.
+    ``blocks``: a flex attention op's (partial, full, all) tiles per head (capture/flex.py)."""
+    if isinstance(target, torch._ops.HigherOrderOperator) and target.__name__.startswith("flex_attention"):
+        return _flex_facts(target, args, blocks)
     name = getattr(getattr(target, "overloadpacket", None), "__name__", "")
     backend = next((b for b in _FUSED_BACKENDS if name.startswith(f"_scaled_dot_product_{b}_attention")), None)
     if backend is None:
@@ -50,7 +53,20 @@ def attention_facts(target, args, kwargs) -> dict | None:
             "heads": int(query.shape[1]), "kv_heads": int(key.shape[1]), "q_len": int(query.shape[2]),
             "kv_len": int(key.shape[2]), "head_dim": int(query.shape[3]),
             "is_causal": bool(values.get("is_causal", False)), "has_mask": isinstance(mask, torch.Tensor),
-            "dropout": float(values.get("dropout_p", 0.0))}
+            "dropout": float(values.get("dropout_p", 0.0)), "visited_share": 1.0}
+
+
+def _flex_facts(target, args, blocks) -> dict:
+    """flex_attention(query, key, value, ...) or flex_attention_backward(query, key, value, out, ...): the
+    tiles it visits are the block mask's partial and full ones; with no count, all of them (dense)."""
+    query, key = args[0], args[1]
+    q_len, kv_len = int(query.shape[2]), int(key.shape[2])
+    partial, full, tiles = blocks or (0, math.ceil(q_len / 128) * math.ceil(kv_len / 128),
+                                      math.ceil(q_len / 128) * math.ceil(kv_len / 128))
+    return {"backend": "flex", "backward": target.__name__.endswith("_backward"), "batch": int(query.shape[0]),
+            "heads": int(query.shape[1]), "kv_heads": int(key.shape[1]), "q_len": q_len, "kv_len": kv_len,
+            "head_dim": int(query.shape[3]), "is_causal": False, "has_mask": False, "dropout": 0.0,
+            "visited_share": (partial + full) / tiles if tiles else 1.0}
 
 
 def gpu_op_ns(op, device, dtype: str) -> float:
@@ -64,7 +80,8 @@ def gpu_op_ns(op, device, dtype: str) -> float:
         a = op.attention
         return attention_ns(op.flops, a["backend"], a["backward"], dtype, batch=a["batch"], heads=a["heads"],
                             q_len=a["q_len"], kv_len=a["kv_len"], head_dim=a["head_dim"], is_causal=a["is_causal"],
-                            has_mask=a["has_mask"], dropout=a["dropout"], facts=facts, model=model, nbytes=op.bytes)
+                            has_mask=a["has_mask"], dropout=a["dropout"], facts=facts, model=model, nbytes=op.bytes,
+                            visited_share=a["visited_share"])
     if op.gemm_mkn is not None and op.gemm_leading is not None:
         m, k, n = op.gemm_mkn
         if op.gemm_padded:

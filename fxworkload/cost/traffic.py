@@ -20,6 +20,8 @@ NO_KERNEL_OPS = frozenset({"_unsafe_view", "alias", "detach", "lift_fresh", "emp
 
 
 def is_alias(target) -> bool:
+    if isinstance(target, torch._ops.HigherOrderOperator) and target.__name__.startswith("flex_attention"):
+        return False  # a kernel of its own (capture/flex.py)
     if not isinstance(target, torch._ops.OpOverload):  # operator.getitem and other Python callables
         return True
     return target.is_view or target.overloadpacket.__name__ in NO_KERNEL_OPS
@@ -64,10 +66,11 @@ COMPOSITE_BYTES = {"_safe_softmax": _safe_softmax_bytes, "nll_loss_forward": _nl
 def bytes_moved(target, args, kwargs, out) -> int:
     if is_alias(target):
         return 0
-    composite = COMPOSITE_BYTES.get(target.overloadpacket.__name__)
+    name = getattr(getattr(target, "overloadpacket", None), "__name__", None)
+    composite = COMPOSITE_BYTES.get(name)
     if composite is not None:
         return composite(args, kwargs, out)
-    source = GATHER_SOURCE.get(target.overloadpacket.__name__)
+    source = GATHER_SOURCE.get(name)
     if source is not None and isinstance(args[source], torch.Tensor):
         others = [a for i, a in enumerate(args) if i != source]
         return tensor_bytes((others, kwargs)) + 2 * tensor_bytes(out)

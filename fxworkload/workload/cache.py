@@ -25,7 +25,8 @@ from .table import GradRow, NodeRow, OpCost, Workload
 KIND = "captured-step"
 # the fused attention op's facts (optime.attention_facts): the only field of an op that is not typed by its class
 ATTENTION_FIELDS = {"backend": str, "backward": bool, "batch": int, "heads": int, "kv_heads": int, "q_len": int,
-                    "kv_len": int, "head_dim": int, "is_causal": bool, "has_mask": bool, "dropout": float}
+                    "kv_len": int, "head_dim": int, "is_causal": bool, "has_mask": bool, "dropout": float,
+                    "visited_share": float}
 
 
 @dataclass(frozen=True)

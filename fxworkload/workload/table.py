@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from ..capture.attention import BACKEND_KEY, OP_BACKEND
+from ..capture.flex import FLEX_BLOCKS_KEY
 from ..capture.trace import FORWARD, INPUT_GRAD, PHASES, WEIGHT_GRAD, Capture
 from ..cost import flops as flop_rules
 from ..cost.devices import DeviceProfile
@@ -316,9 +317,26 @@ def cost_of(node: torch.fx.Node, phase: str, device: DeviceProfile | None) -> Op
         flops=flops or 0, bytes=nbytes, estimated_ns=0.0, has_flop_rule=alias or flops is not None,
         gemm_mkn=flop_rules.gemm_shape(node.target, args), gemm_leading=flop_rules.gemm_leading_dims(node.target, args),
         gemm_batch=flop_rules.gemm_batch(node.target, args), grouped_gemm=flop_rules.grouped_gemm_shape(node.target, args),
-        attention=attention_facts(node.target, args, kwargs),
+        attention=attention_facts(node.target, args, kwargs, _flex_blocks(node)),
         sdpa_backend=node.meta.get("custom", {}).get(BACKEND_KEY) or OP_BACKEND.get(flop_rules.op_name(node.target)))
     return timed(op, device)
+
+
+def _flex_blocks(node: torch.fx.Node) -> tuple[int, int, int] | None:
+    """A flex attention node's (partial, full, all) tiles: the tag on the op that made its block mask's first
+    table (capture/flex.py), found through the copies between; None for other ops or an untagged mask."""
+    if not isinstance(node.target, torch._ops.HigherOrderOperator):
+        return None
+    block_mask = next((a for a in node.args if isinstance(a, tuple) and len(a) > 2), None)
+    table = block_mask[2] if block_mask else None
+    for _ in range(8):
+        if not isinstance(table, torch.fx.Node):
+            return None
+        counts = table.meta.get("custom", {}).get(FLEX_BLOCKS_KEY)
+        if counts is not None:
+            return tuple(counts)
+        table = next((a for a in table.args if isinstance(a, torch.fx.Node)), None)
+    return None
 
 
 def _main_ops(forward_nodes, module_of, costs, model) -> dict[torch.fx.Node, str]:
