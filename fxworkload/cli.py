@@ -137,6 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--stack", default="eager", help=STACK_HELP)
     plan.add_argument("--sdpa-backends", type=_backends, default=None, metavar="LIST", help=SDPA_BACKENDS_HELP)
     plan.add_argument("--attention", default=None, metavar="IMPL", help=ATTENTION_HELP)
+    plan.add_argument("--ep-comm", default="alltoall",
+                      help="how every layout's MoE tokens reach their experts: alltoall (NCCL; default) or deepep "
+                           "(DeepEP's dispatch and combine kernels)")
     plan.add_argument("--top", type=int, default=10, help="layouts listed (default 10; 0 = all that fit)")
     plan.add_argument("--workers", type=int, default=None, help="local processes (default: one per core)")
     plan.add_argument("--ray", default=None, metavar="ADDRESS",
@@ -236,6 +239,10 @@ def _add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--cp-comm", default="p2p",
                        help="how CP exchanges keys and values: p2p (Megatron-Core's ring, overlapped with attention; "
                             "default) or allgather (Llama 3's, before attention)")
+    group.add_argument("--ep-comm", default="alltoall",
+                       help="how MoE tokens reach their experts: alltoall (NCCL all-to-alls, one copy per token and "
+                            "expert; default) or deepep (DeepEP's dispatch and combine kernels: one copy per token "
+                            "and rank, across nodes one per token and node)")
     group.add_argument("--micro-batches", type=int, default=1,
                        help="micro-batches per step, each of --batch sequences (default 1)")
     group.add_argument("--zero", type=int, default=0, help="ZeRO stage 0-3 (default 0: plain all-reduce)")
@@ -295,6 +302,7 @@ def _parallel(args):
     except ValueError:
         raise UserError(f"--pp-layers must be comma-separated integers, got '{args.pp_layers}'") from None
     return Parallel(dp=args.dp, tp=args.tp, pp=args.pp, ep=args.ep, sp=args.sp, cp=args.cp, cp_comm=args.cp_comm,
+                    ep_comm=args.ep_comm,
                     micro_batches=args.micro_batches,
                     zero=args.zero, bucket_mb=args.bucket_mb, pp_layers=pp_layers, stage=args.stage,
                     vocab_multiple=args.vocab_multiple, recompute=args.recompute,
@@ -492,7 +500,7 @@ def run_plan(args) -> int:
                   cp=_degrees(args.cp, "--cp"), fp8=args.fp8, topology=args.topology,
                   overlap_param_gather=args.overlap_param_gather, tp_comm_overlap=args.tp_comm_overlap,
                   offload=args.offload, cuda_graphs=args.cuda_graphs, sdpa_backends=args.sdpa_backends,
-                  attention=args.attention)
+                  attention=args.attention, ep_comm=args.ep_comm)
     text = plan_text(result, args.top)
     out = args.out or Path("outputs") / f"{result['model']}-plan-{args.gpus}"
     files = {"plan.json": json.dumps(result, indent=1, sort_keys=True) + "\n", "plan.txt": text}

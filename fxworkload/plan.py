@@ -75,6 +75,7 @@ class Run:
     cuda_graphs: str = "none"  # every layout replays its layers or its step from CUDA graphs (workload/cuda_graphs.py)
     sdpa_backends: tuple[str, ...] | None = None  # the attention kernels enabled (torch.nn.attention.sdpa_kernel)
     attention: str | None = None  # transformers' attention implementation (sdpa, eager, flex); None: the model's
+    ep_comm: str = "alltoall"  # how every layout's MoE tokens reach their experts (Parallel.ep_comm)
 
 
 @dataclass(frozen=True)
@@ -136,7 +137,7 @@ def candidate_layouts(run: Run, facts, gpus_per_node: int) -> tuple[dict, dict[s
                         vpp=vpp, vocab_multiple=vocab_multiple, pp_layers=pp_layers,
                         overlap_param_gather=run.overlap_param_gather and zero in (1, 2),
                         tp_comm_overlap=run.tp_comm_overlap and tp > 1, optimizer_offload=share,
-                        activation_offload_layers=layers, cuda_graphs=run.cuda_graphs))
+                        activation_offload_layers=layers, cuda_graphs=run.cuda_graphs, ep_comm=run.ep_comm))
     return groups, dropped
 
 
@@ -294,7 +295,8 @@ def plan(model: str, gpus: int, global_batch: int, seq: int, device: str = "h100
          workers: int | None = None, ray: str | None = None, progress: bool = False, stack: str = "eager",
          cp: tuple[int, ...] = (1,), fp8: bool = False, topology: str | None = None,
          overlap_param_gather: bool = False, tp_comm_overlap: bool = False, offload: bool = False,
-         cuda_graphs: str = "none", sdpa_backends: tuple[str, ...] | None = None, attention: str | None = None) -> dict:
+         cuda_graphs: str = "none", sdpa_backends: tuple[str, ...] | None = None, attention: str | None = None,
+         ep_comm: str = "alltoall") -> dict:
     """``device``: one profile name or several, comma-separated (every layout is evaluated on each);
     ``cp``: the context-parallel degrees to search; ``fp8``: every layout trains in FP8 (workload/fp8.py);
     ``topology``: ``--topology key=value,...`` over each device's own network (cost/topology.py);
@@ -303,18 +305,19 @@ def plan(model: str, gpus: int, global_batch: int, seq: int, device: str = "h100
     ``offload``: every ZeRO layout is also tried with its optimizer stepped on the host (cluster/offload.py);
     ``cuda_graphs``: none, layers or step: what every layout replays from CUDA graphs (workload/cuda_graphs.py);
     ``sdpa_backends``: the attention kernels every layout's run enables (None: all, in the profile's order);
-    ``attention``: transformers' attention implementation every layout runs (None: the model's default)."""
+    ``attention``: transformers' attention implementation every layout runs (None: the model's default);
+    ``ep_comm``: alltoall or deepep, how every layout's MoE tokens reach their experts (Parallel.ep_comm)."""
     from .capture.sdpa_backends import check_attention, check_sdpa_backends
     from .parallel.layout import Parallel, check_values
     from .workload.stacks import check_stack
 
     check_plan_counts(gpus, global_batch)
     check_stack(stack)
-    check_values(Parallel(cuda_graphs=cuda_graphs))
+    check_values(Parallel(cuda_graphs=cuda_graphs, ep_comm=ep_comm))
     check_sdpa_backends(sdpa_backends)
     check_attention(attention)
     run = Run(model, gpus, global_batch, seq, dtype, stack, check_cp_degrees(cp), fp8, overlap_param_gather,
-              tp_comm_overlap, offload, cuda_graphs, sdpa_backends, attention)
+              tp_comm_overlap, offload, cuda_graphs, sdpa_backends, attention, ep_comm)
     system = System(tuple(_plan_device(name, fp8, dtype, topology) for name in _device_names(device)), topology)
     if offload:
         from .cluster.offload import check_host_tier
@@ -335,7 +338,8 @@ def plan(model: str, gpus: int, global_batch: int, seq: int, device: str = "h100
         {"tp_comm_overlap": True} if tp_comm_overlap else {}) | ({"optimizer_offload": True} if offload else {}) | (
         {"cuda_graphs": cuda_graphs} if cuda_graphs != "none" else {}) | (
         {"sdpa_backends": list(sdpa_backends)} if sdpa_backends is not None else {}) | (
-        {"attention": attention} if attention is not None else {})
+        {"attention": attention} if attention is not None else {}) | (
+        {"ep_comm": ep_comm} if ep_comm != "alltoall" else {})
 
 
 def _plan(run: Run, system: System, workers, ray, progress, early) -> dict:

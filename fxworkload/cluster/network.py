@@ -52,6 +52,12 @@ if TYPE_CHECKING:  # a type only: the units import torch, and plan's "why" reads
 SIMPLE_LINK_EFFICIENCY = 370 / 450
 # NVIDIA/nccl-tests#290 (NCCL team): "For NDR @ 400Gbps you should see 46-48GB/s per NIC"; 47 of 50.
 NIC_EFFICIENCY = 47 / 50
+# DeepEP's normal kernels against the line rates of the links they run on, as its V1 README measured them
+# (docs/legacy.md, DeepSeek-V3's setting: 4,096 tokens, hidden 7,168, top-8 experts, on H800s): intranode dispatch
+# at EP 8, 153 GB/s over the H800's NVLink (400 GB/s both ways: 200 GB/s a direction); internode dispatch at
+# EP 16 (two nodes), 43 GB/s over a CX7 400 Gb/s NIC (50 GB/s)
+DEEPEP_NVLINK_SHARE = 153 / 200
+DEEPEP_RDMA_SHARE = 43 / 50
 # tuning.cc nvlsEfficiency: Hopper 0.85, Blackwell 0.74 (no NVLS before Hopper)
 NVLS_EFFICIENCY = {"hopper": 0.85, "blackwell": 0.74}
 LL128_FRACTION = 0.92  # tuning.cc: ring LL128 busBw * 0.92 (120/128 bytes carry data)
@@ -220,8 +226,35 @@ def _all_to_all(nbytes: float, ranks: int, domains: int, t: Topology) -> Call:
 
 def comm_ns(comm: Comm, p: Parallel, device: DeviceProfile) -> float:
     ranks, nodes = group_layout(comm.group, p, device.network().nvlink_domain_gpus)
+    if comm.deepep is not None:
+        return _TIMES.get(("deepep", comm.deepep, ranks, nodes, id(device)), (device,), deepep_ns, comm.deepep,
+                          ranks, nodes, device)
     return _TIMES.get((comm.type, comm.bytes, ranks, nodes, id(device)), (device,), collective_ns, comm.type,
                       comm.bytes, ranks, nodes, device)  # no closure per call: asked ~a million times a search
+
+
+def deepep_ns(routing: tuple[int, int, int], ranks: int, domains: int, device: DeviceProfile) -> float:
+    """DeepEP's normal dispatch or combine kernel (deep_ep, V1's intranode and internode kernels): a token goes
+    once to each rank holding any of its experts; across NVLink domains once to each domain over RDMA (to
+    the rank of the same local index there), which forwards it over NVLink to the domain's ranks that need it.
+    Its time is the busier link's, at the share of the link DeepEP's kernels reach (DEEPEP_*_SHARE), after
+    one call's latency. ``routing``: one copy of the rank's tokens in bytes, experts, experts per token."""
+    from ..parallel.collectives import expected_destinations
+
+    token_bytes, experts, top_k = routing
+    t = device.network()
+    ppn = max(1, ranks // domains)
+    rank_copies = expected_destinations(experts, top_k, ranks)
+    # NVLink: the copies for the other ranks of this domain; received ones forwarded alike in other domains
+    nvlink_bytes = token_bytes * rank_copies * (ppn - 1) / ranks if ppn > 1 else 0.0
+    nvlink_s = nvlink_bytes / (t.nvlink_bytes_per_s * DEEPEP_NVLINK_SHARE)
+    network_s = 0.0
+    if domains > 1:
+        domain_copies = expected_destinations(experts, top_k, domains)
+        network_bytes = token_bytes * domain_copies * (domains - 1) / domains
+        network_s = network_bytes / (t.nic_share_bytes_per_s * DEEPEP_RDMA_SHARE)
+    latency_us = BASE_US["ring"]["Simple"] + (NETWORK_US["ring"]["Simple"] if domains > 1 else NVLINK_US["ring"]["Simple"])
+    return latency_us * 1e3 + max(nvlink_s, network_s) * 1e9
 
 
 # a layout search times the same collective (a gradient bucket, a layer's all-gather) on the same group

@@ -15,6 +15,7 @@ Expert parameters are reduced over the expert-data-parallel group (dp / ep ranks
 
 from __future__ import annotations
 
+import math
 from bisect import bisect_left
 from dataclasses import replace
 from itertools import accumulate
@@ -31,6 +32,29 @@ LOSS_BYTES_PER_TOKEN = 4  # Megatron's vocab-parallel cross entropy reduces fp32
 FIRST_BUCKET_BYTES = 1 << 20  # PyTorch DDP's first bucket (dist._DEFAULT_FIRST_BUCKET_BYTES)
 
 
+def expected_destinations(experts: int, top_k: int, groups: int) -> float:
+    """How many of ``groups`` equal groups of ``experts`` a token's ``top_k`` distinct experts fall in, expected
+    over routings that pick every set of top_k experts alike: groups x (1 - C(E - E/g, k) / C(E, k))."""
+    if groups <= 1:
+        return 1.0
+    missed = math.comb(experts - experts // groups, top_k) / math.comb(experts, top_k)
+    return groups * (1 - missed)
+
+
+def _ep_comms(p: Parallel, token_bytes: int, experts: int, top_k: int) -> list[list[Comm]]:
+    """An MoE layer's dispatch and combine, forward and backward (the backward of a dispatch is a combine and
+    the other way round): with all-to-alls one copy per (token, expert); with DeepEP one per (token, rank)
+    holding any of its experts (deep_ep's is_token_in_rank), its node-level sends counted on the network."""
+    if p.ep_comm == "deepep" and experts:
+        copies = expected_destinations(experts, top_k, p.ep)
+        routing = (token_bytes, experts, top_k)
+    else:
+        copies, routing = top_k, None
+    return [[Comm(ALLTOALL, "ep", round(token_bytes * copies), f"token {what} ({phase})", deepep=routing,
+                  follows_gemm=what == "combine" and phase == "forward") for what in ("dispatch", "combine")]
+            for phase in ("forward", "backward")]
+
+
 def stage_units(units: list[Unit], stage_layers: range, first: bool, last: bool) -> list[Unit]:
     """The units one pipeline stage runs: its layers, the embedding on the first, the head on the last."""
     return [u for u in units if (u.layer in stage_layers) or (u.block == EMBEDDING and first)
@@ -40,14 +64,15 @@ def stage_units(units: list[Unit], stage_layers: range, first: bool, last: bool)
 def add_model_parallel(units: list[Unit], p: Parallel, micro_batch: int, seq: int, hidden: int,
                        act_itemsize: int, top_k: int, rank_kv_bytes: int = 0,
                        recomputed: frozenset[int] = frozenset(), tp_overlap: str = "userbuffers",
-                       fp8_gathers: bool = False) -> None:
+                       fp8_gathers: bool = False, experts: int = 0) -> None:
     """Attach the tensor-, context- and expert-parallel collectives to each unit, in the order they run.
     ``seq``: the rank's tokens (seq / cp); ``rank_kv_bytes``: one layer's keys and values on this rank;
     ``recomputed``: the layers whose whole forward runs again before their backward (full recomputation:
     Megatron-Core's CheckpointFunction and torch.utils.checkpoint re-run the block's collectives with it),
     whose backward starts with their forward's collectives again; ``tp_overlap``: how --tp-comm-overlap
     overlaps a block's (the stack's, workload/stacks.py); ``fp8_gathers``: a decoder block's sequence-parallel
-    all-gathers move FP8, one byte an element (Workload.fp8_tp_gathers), not ``act_itemsize``.
+    all-gathers move FP8, one byte an element (Workload.fp8_tp_gathers), not ``act_itemsize``; ``experts``: the
+    MoE layers' routed experts (how DeepEP's sends are counted, ``p.ep_comm``).
     Units of one kind share the same (frozen) Comm objects."""
     act = micro_batch * seq * hidden * act_itemsize
     fp8_gathered = micro_batch * seq * hidden if fp8_gathers else 0
@@ -56,10 +81,7 @@ def add_model_parallel(units: list[Unit], p: Parallel, micro_batch: int, seq: in
     tp_comms = _tp_comms(p, act, micro_batch * seq * LOSS_BYTES_PER_TOKEN, fp8_gathered) if p.tp > 1 else {}
     if p.tp_comm_overlap:  # the decoder blocks' linear layers overlap their collectives with their GEMMs
         tp_comms[None] = _overlapped_tp(*tp_comms[None], tp_overlap, p.tp)
-    routed = tokens * top_k * hidden * act_itemsize
-    ep_comms = [[Comm(ALLTOALL, "ep", routed, f"token {what} ({phase})",
-                      follows_gemm=what == "combine" and phase == "forward") for what in ("dispatch", "combine")]
-                for phase in ("forward", "backward")] if p.ep > 1 else None
+    ep_comms = _ep_comms(p, tokens * hidden * act_itemsize, experts, top_k) if p.ep > 1 else None
     again: dict[tuple[Comm, ...], list[Comm]] = {}
     for unit in units:
         fwd, bwd = unit.comms[FORWARD], unit.comms[INPUT_GRAD]

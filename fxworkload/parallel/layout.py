@@ -44,6 +44,11 @@ class Parallel:
     # steps overlapped with attention (Megatron-Core, "p2p") or one all-gather before it (Llama 3, "allgather")
     cp: int = 1
     cp_comm: str = "p2p"
+    # how an MoE layer's tokens reach their experts and come back: NCCL all-to-alls of one copy per (token,
+    # expert) (Megatron-Core's alltoall dispatcher, torchtitan's default: "alltoall"), or DeepEP's normal
+    # kernels (Megatron-Core's flex dispatcher with --moe-enable-deepep, torchtitan's deepep backend:
+    # "deepep"), one copy per (token, destination rank) and across nodes one per (token, node)
+    ep_comm: str = "alltoall"
     # --fp8: ZeRO's parameter all-gathers move the FP8 linear weights in FP8, one byte each (Megatron-LM's
     # --fp8-param-gather, which also keeps those weights in FP8; torchao's FSDP2 float8 all-gather under ZeRO 3)
     fp8_param_gather: bool = False
@@ -80,6 +85,7 @@ class Parallel:
 
 RECOMPUTE_MODES = ("none", "selective", "op", "full")
 CP_COMMS = ("p2p", "allgather")
+EP_COMMS = ("alltoall", "deepep")
 
 
 def check_values(parallel: Parallel) -> None:
@@ -132,6 +138,8 @@ def check_values(parallel: Parallel) -> None:
                         "apart, Megatron-Core's) or step (the whole forward and backward as one graph)")
     if p.cp_comm not in CP_COMMS:
         raise UserError(f"unknown --cp-comm {p.cp_comm!r}: use p2p (Megatron-Core's ring) or allgather (Llama 3's)")
+    if p.ep_comm not in EP_COMMS:
+        raise UserError(f"unknown --ep-comm {p.ep_comm!r}: use alltoall (NCCL all-to-alls) or deepep (DeepEP's kernels)")
     if p.cp > 1 and p.ep > 1:
         raise UserError("--cp with --ep is not modelled (Megatron-Core folds context- into expert-data-parallel "
                         "groups); use one of them")

@@ -38,6 +38,10 @@ class Comm:
     # reads the output of the unit's last GEMM (a row-parallel output's reduction, MoE's combine): a
     # recomputation that stops before that GEMM (torch.compile's partitioner: recompute.py) does not run it again
     follows_gemm: bool = False
+    # DeepEP's dispatch or combine (Parallel.ep_comm): (one copy of the rank's tokens in bytes, experts, experts
+    # per token), from which its sends once per (token, rank) and once per (token, node) follow
+    # (collectives.expected_destinations, cluster/network.py's deepep_ns); ``bytes`` is its per-rank buffer
+    deepep: tuple[int, int, int] | None = None
 
 
 @dataclass

@@ -147,6 +147,23 @@ def test_all_to_all_crosses_nodes_at_each_gpus_own_nic_by_hand():
     assert collective_ns("ALLTOALL", nbytes, 64, 8, h100) == pytest.approx(expected)
 
 
+def test_deepep_runs_at_the_busier_links_share_of_line_rate_by_hand():
+    """By hand: DeepSeek-V3's routing (256 experts, top 8) for 4,096 tokens of hidden 7,168 in bf16 (58.7 MB a copy).
+    EP 8 in one node: a token reaches 8 x (1 - C(224, 8) / C(256, 8)) ranks, 7/8 of them over NVLink at 153/200 of
+    its 450 GB/s. EP 16 on two nodes: over RDMA once per node it reaches (2 x (1 - C(128, 8) / C(256, 8))), half
+    of them the other node, at 43/50 of the NIC's 50 GB/s; the NVLink side is the lighter."""
+    from fxworkload.cluster.network import deepep_ns
+
+    h100 = devices.load("h100-sxm")
+    token_bytes = 4096 * 7168 * 2
+    ranks8 = 8 * (1 - math.comb(224, 8) / math.comb(256, 8))
+    expected = (8.4 + 3.4) * 1e3 + token_bytes * ranks8 * 7 / 8 / (450e9 * 153 / 200) * 1e9
+    assert deepep_ns((token_bytes, 256, 8), 8, 1, h100) == pytest.approx(expected)
+    nodes2 = 2 * (1 - math.comb(128, 8) / math.comb(256, 8))
+    expected = (8.4 + 14.0) * 1e3 + token_bytes * nodes2 / 2 / (50e9 * 43 / 50) * 1e9
+    assert deepep_ns((token_bytes, 256, 8), 16, 2, h100) == pytest.approx(expected)
+
+
 def test_pipeline_transfer():
     h100 = devices.load("h100-sxm")
     assert p2p_ns(1 << 20, Parallel(pp=1), h100) == 0.0

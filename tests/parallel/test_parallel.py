@@ -7,6 +7,8 @@ import pytest
 
 from fxworkload.capture.trace import FORWARD, INPUT_GRAD, PHASES, WEIGHT_GRAD
 from fxworkload.parallel.collectives import ALLREDUCE, ALLTOALL, volume_bytes
+
+from ..conftest import tiny_config
 from fxworkload.pipeline import extract
 from fxworkload.parallel.layout import Parallel, stage_layers
 from .test_megatron import _matmul_flops, megatron_flops
@@ -166,6 +168,31 @@ def test_expert_parallel_all_to_alls_and_expert_gradients(tiny_dirs):
         assert {x.bytes for x in a2a} == {routed}
     expert_bytes = sum(x.bytes for x in _comms(result, WEIGHT_GRAD, "dp_ep"))
     assert expert_bytes == 4 * c.num_hidden_layers * 3 * c.hidden_size * c.intermediate_size * c.num_local_experts // ep
+
+
+@pytest.mark.parametrize("experts, top_k, groups", [(8, 2, 4), (16, 4, 4), (12, 3, 3), (8, 2, 8)])
+def test_expected_destinations_count_every_routing_alike(experts, top_k, groups):
+    """Oracle: every set of top_k distinct experts enumerated, experts split into equal consecutive groups."""
+    import itertools
+
+    from fxworkload.parallel.collectives import expected_destinations
+
+    per_group = experts // groups
+    routings = list(itertools.combinations(range(experts), top_k))
+    mean = sum(len({e // per_group for e in chosen}) for chosen in routings) / len(routings)
+    assert expected_destinations(experts, top_k, groups) == pytest.approx(mean)
+
+
+def test_deepep_sends_a_token_once_to_each_rank_holding_its_experts(tiny_dirs):
+    """By hand: tiny Mixtral (4 experts, top 2) on ep 2: a token misses a rank's two experts in C(2, 2) of C(4, 2)
+    routings, so it goes to 2 x (1 - 1/6) = 5/3 ranks, where the all-to-alls send one copy per expert (2)."""
+    batch, seq = 2, 16
+    c = tiny_config("mixtral")
+    token_bytes = batch * seq * c.hidden_size * 4
+    for ep_comm, copies in (("alltoall", 2), ("deepep", 5 / 3)):
+        result = extract(str(tiny_dirs["mixtral"]), batch=batch, seq=seq, parallel=Parallel(dp=4, ep=2, ep_comm=ep_comm))
+        for phase in (FORWARD, INPUT_GRAD):
+            assert {x.bytes for x in _comms(result, phase, "ep")} == {round(token_bytes * copies)}
 
 
 def test_stages_split_layers_and_the_boundary_send():
