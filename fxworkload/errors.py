@@ -150,6 +150,10 @@ def signalled() -> int | None:
 
 def check_signalled() -> None:
     if _SIGNALLED:
+        if _PENDING:  # held for an import: this raise is its stop, so the timer that would raise it again goes
+            _PENDING.clear()  # (left armed, it would fire at the interpreter's exit, its handler reset: SIGALRM)
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, signal.SIG_DFL)
         raise stop(next((s for s in _SIGNALLED if s != signal.SIGINT), signal.SIGINT))
 
 

@@ -43,6 +43,9 @@ def main() -> int:
             raise errors.stop(_HELD[0])
         from .cli import main as run
 
+        # a signal during the import: held for it, or raised where Python ignores exceptions (a destructor run
+        # meanwhile) and so swallowed; the CLI's start forgets earlier runs' signals, so it is raised here
+        errors.check_signalled()
         status = run()
         errors.finish()  # the run is over, its files written: a signal from here on exits at once, quietly
     except (KeyboardInterrupt, errors.Terminated) as exc:  # a second signal waits: this one is stopping the run

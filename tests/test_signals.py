@@ -125,6 +125,30 @@ def test_a_spawned_worker_keeps_the_default_sigterm(tmp_path):
     assert (run.returncode, run.stdout.strip()) == (0, "True"), run.stderr
 
 
+def test_a_signal_swallowed_by_a_destructor_before_the_run_still_stops_it(tmp_path):
+    """A CI failure: Ctrl-C at the first instant landed in a ZipFile's __del__ while the CLI imported; Python
+    printed "Exception ignored" and went on, and the CLI's start forgot the signal: the run wrote its output and
+    exited 0. Here the signal is delivered inside a destructor on purpose, before main() imports the CLI."""
+    script = tmp_path / "entry.py"
+    script.write_text(
+        "import os, signal, sys\n"
+        "from fxworkload import errors\n"
+        "from fxworkload.start import main\n"
+        "errors.install()  # as main() does first\n"
+        "class Dying:\n"
+        "    def __del__(self):\n"
+        "        os.kill(os.getpid(), signal.SIGINT)  # the handler's KeyboardInterrupt is ignored here\n"
+        "        for _ in range(1000):  # the pending handler runs before the destructor returns\n"
+        "            pass\n"
+        "dying = Dying()\n"
+        "del dying\n"
+        "sys.argv = ['fxworkload', 'models']\n"
+        "sys.exit(main())\n")
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert "Exception ignored" in run.stderr  # the swallowing this test is about happened
+    assert (run.returncode, run.stderr.strip().splitlines()[-1], run.stdout) == (130, "fxworkload: interrupted", "")
+
+
 def test_a_signal_after_the_command_is_over_leaves_its_status(tmp_path):
     """The fuzzer's case: a run whose output was written got SIGHUP while the interpreter exited (torch's teardown
     is about 0.8 s) and died of it with no line. Once the command is over a stop signal changes nothing."""
