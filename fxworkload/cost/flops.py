@@ -134,10 +134,15 @@ PER_ELEMENT_RULES: dict[str, Rule] = {
 }
 
 
+def is_flex_attention(target) -> bool:
+    """flex_attention or flex_attention_backward: higher-order ops, each one kernel (capture/flex.py)."""
+    return isinstance(target, torch._ops.HigherOrderOperator) and target.__name__.startswith("flex_attention")
+
+
 def formula_for(target):
     packet = getattr(target, "overloadpacket", None)
-    if packet is None:  # a higher-order op torch counts (flex_attention and its backward, dense as torch does)
-        return flop_registry.get(target) if isinstance(target, torch._ops.HigherOrderOperator) else None
+    if packet is None:  # flex attention: torch's own rule (dense, as FlopCounterMode counts it)
+        return flop_registry.get(target) if is_flex_attention(target) else None
     if packet in flop_registry:
         return flop_registry[packet]
     return EXTRA_FORMULAS.get(packet)

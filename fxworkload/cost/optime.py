@@ -15,7 +15,7 @@ from dataclasses import replace
 
 import torch
 
-from .flops import ATTENTION, DATA_MOVEMENT, ELEMENTWISE, MATMUL, VIEW, base_name
+from .flops import ATTENTION, DATA_MOVEMENT, ELEMENTWISE, MATMUL, VIEW, base_name, is_flex_attention
 from .gpu import attention_ns, gemm_ns, layer_norm_rereads, memory_ns, padded_gemm_ns, softmax_rereads
 
 _FUSED_BACKENDS = {"cudnn", "flash", "efficient"}
@@ -38,7 +38,7 @@ _SOFTMAX_OPS = {"_softmax": False, "_log_softmax": False, "_softmax_backward_dat
 def attention_facts(target, args, kwargs, blocks: tuple[int, int, int] | None = None) -> dict | None:
     """Backend, direction and shapes of a fused GPU attention op, read through its schema; None otherwise.
     ``blocks``: a flex attention op's (partial, full, all) tiles per head (capture/flex.py)."""
-    if isinstance(target, torch._ops.HigherOrderOperator) and target.__name__.startswith("flex_attention"):
+    if is_flex_attention(target):
         return _flex_facts(target, args, blocks)
     name = getattr(getattr(target, "overloadpacket", None), "__name__", "")
     backend = next((b for b in _FUSED_BACKENDS if name.startswith(f"_scaled_dot_product_{b}_attention")), None)
@@ -60,13 +60,11 @@ def _flex_facts(target, args, blocks) -> dict:
     """flex_attention(query, key, value, ...) or flex_attention_backward(query, key, value, out, ...): the
     tiles it visits are the block mask's partial and full ones; with no count, all of them (dense)."""
     query, key = args[0], args[1]
-    q_len, kv_len = int(query.shape[2]), int(key.shape[2])
-    partial, full, tiles = blocks or (0, math.ceil(q_len / 128) * math.ceil(kv_len / 128),
-                                      math.ceil(q_len / 128) * math.ceil(kv_len / 128))
+    partial, full, tiles = blocks or (0, 1, 1)
     return {"backend": "flex", "backward": target.__name__.endswith("_backward"), "batch": int(query.shape[0]),
-            "heads": int(query.shape[1]), "kv_heads": int(key.shape[1]), "q_len": q_len, "kv_len": kv_len,
-            "head_dim": int(query.shape[3]), "is_causal": False, "has_mask": False, "dropout": 0.0,
-            "visited_share": (partial + full) / tiles if tiles else 1.0}
+            "heads": int(query.shape[1]), "kv_heads": int(key.shape[1]), "q_len": int(query.shape[2]),
+            "kv_len": int(key.shape[2]), "head_dim": int(query.shape[3]), "is_causal": False, "has_mask": False,
+            "dropout": 0.0, "visited_share": (partial + full) / tiles if tiles else 1.0}
 
 
 def gpu_op_ns(op, device, dtype: str) -> float:

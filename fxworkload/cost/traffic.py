@@ -14,13 +14,15 @@ import math
 
 import torch
 
+from .flops import is_flex_attention
+
 # Ops whose schema is not marked as a view but that alias their input or launch no kernel.
 NO_KERNEL_OPS = frozenset({"_unsafe_view", "alias", "detach", "lift_fresh", "empty", "empty_like",
                            "empty_strided", "empty_permuted", "new_empty", "new_empty_strided", "_reshape_alias"})
 
 
 def is_alias(target) -> bool:
-    if isinstance(target, torch._ops.HigherOrderOperator) and target.__name__.startswith("flex_attention"):
+    if is_flex_attention(target):
         return False  # a kernel of its own (capture/flex.py)
     if not isinstance(target, torch._ops.OpOverload):  # operator.getitem and other Python callables
         return True

@@ -325,7 +325,7 @@ def cost_of(node: torch.fx.Node, phase: str, device: DeviceProfile | None) -> Op
 def _flex_blocks(node: torch.fx.Node) -> tuple[int, int, int] | None:
     """A flex attention node's (partial, full, all) tiles: the tag on the op that made its block mask's first
     table (capture/flex.py), found through the copies between; None for other ops or an untagged mask."""
-    if not isinstance(node.target, torch._ops.HigherOrderOperator):
+    if not flop_rules.is_flex_attention(node.target):
         return None
     block_mask = next((a for a in node.args if isinstance(a, tuple) and len(a) > 2), None)
     table = block_mask[2] if block_mask else None
