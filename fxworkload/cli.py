@@ -137,9 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--stack", default="eager", help=STACK_HELP)
     plan.add_argument("--sdpa-backends", type=_backends, default=None, metavar="LIST", help=SDPA_BACKENDS_HELP)
     plan.add_argument("--attention", default=None, metavar="IMPL", help=ATTENTION_HELP)
-    plan.add_argument("--ep-comm", default="alltoall",
-                      help="how every layout's MoE tokens reach their experts: alltoall (NCCL; default) or deepep "
-                           "(DeepEP's dispatch and combine kernels)")
+    plan.add_argument("--ep-comm", default="alltoall", help=EP_COMM_HELP)
     plan.add_argument("--top", type=int, default=10, help="layouts listed (default 10; 0 = all that fit)")
     plan.add_argument("--workers", type=int, default=None, help="local processes (default: one per core)")
     plan.add_argument("--ray", default=None, metavar="ADDRESS",
@@ -202,6 +200,9 @@ FP8_HELP = ("FP8 training as Transformer Engine runs it: the decoder layers' lin
 ATTENTION_HELP = ("transformers' attention implementation the run sets: sdpa, eager, or flex (FlexAttention: its "
                   "kernel visits only the block mask's tiles and keeps no score matrix; GPT-OSS's sinks and sliding "
                   "windows; needs --no-dropout where the model has attention dropout); default: the model's own")
+EP_COMM_HELP = ("how MoE tokens reach their experts: alltoall (NCCL all-to-alls, one copy per token and expert; "
+                "default) or deepep (DeepEP's dispatch and combine kernels: one copy per token and rank, across "
+                "nodes one per token and node)")
 SDPA_BACKENDS_HELP = ("the attention kernels the run enables, comma-separated, as torch.nn.attention.sdpa_kernel "
                       "does: flash, efficient, math, cudnn (default: all, in --device's order: cuDNN first on "
                       "H100/H200/B200 as torch 2.10+ with cuDNN > 9.15 chooses; flash,efficient,math is the "
@@ -239,10 +240,7 @@ def _add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--cp-comm", default="p2p",
                        help="how CP exchanges keys and values: p2p (Megatron-Core's ring, overlapped with attention; "
                             "default) or allgather (Llama 3's, before attention)")
-    group.add_argument("--ep-comm", default="alltoall",
-                       help="how MoE tokens reach their experts: alltoall (NCCL all-to-alls, one copy per token and "
-                            "expert; default) or deepep (DeepEP's dispatch and combine kernels: one copy per token "
-                            "and rank, across nodes one per token and node)")
+    group.add_argument("--ep-comm", default="alltoall", help=EP_COMM_HELP)
     group.add_argument("--micro-batches", type=int, default=1,
                        help="micro-batches per step, each of --batch sequences (default 1)")
     group.add_argument("--zero", type=int, default=0, help="ZeRO stage 0-3 (default 0: plain all-reduce)")

@@ -240,14 +240,19 @@ def _additive(mask, dtype):
 
 
 @contextlib.contextmanager
-def _tagged(backend: str):
+def tagged_meta(**custom):
+    """The ops traced inside carry ``custom`` in node.meta["custom"] (with what was there already)."""
     meta = fx_traceback.get_current_meta()
-    custom = meta.get("custom")
-    meta["custom"] = {**(custom or {}), BACKEND_KEY: backend}
+    before = meta.get("custom")
+    meta["custom"] = {**(before or {}), **custom}
     try:
         yield
     finally:  # the current meta fetched again: a higher-order op's trace (flex attention) may have replaced it
-        fx_traceback.get_current_meta()["custom"] = custom if custom is not None else {}
+        fx_traceback.get_current_meta()["custom"] = before if before is not None else {}
+
+
+def _tagged(backend: str):
+    return tagged_meta(**{BACKEND_KEY: backend})
 
 
 @contextlib.contextmanager

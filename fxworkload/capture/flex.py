@@ -25,7 +25,8 @@ import math
 import warnings
 
 import torch
-import torch.fx.traceback as fx_traceback
+
+from .attention import BACKEND_KEY, tagged_meta
 
 FLEX = "flex"  # the attention kernel's name beside SDPA's backends (attention.BACKEND_KEY)
 FLEX_ATTENTION = "flex_attention"  # transformers' attn_implementation
@@ -79,14 +80,9 @@ def traced_block_mask(mask_mod=None, B=None, H=None, Q_LEN=None, KV_LEN=None, de
         counts = block_counts(mask_mod, Q_LEN, KV_LEN, block)
     batch, heads = B or 1, H or 1
     q_blocks, kv_blocks = math.ceil(Q_LEN / block), math.ceil(KV_LEN / block)
-    meta = fx_traceback.get_current_meta()
-    custom = meta.get("custom")
-    meta["custom"] = {**(custom or {}), FLEX_BLOCKS_KEY: counts}
-    try:
+    with tagged_meta(**{FLEX_BLOCKS_KEY: counts}):
         tables = [torch.zeros(shape, dtype=torch.int32, device=device) for shape in
                   ((batch, heads, q_blocks), (batch, heads, q_blocks, kv_blocks)) * 2]
-    finally:
-        fx_traceback.get_current_meta()["custom"] = custom if custom is not None else {}
     return BlockMask.from_kv_blocks(*tables, BLOCK_SIZE=block, mask_mod=mask_mod, seq_lengths=(Q_LEN, KV_LEN))
 
 
@@ -102,18 +98,16 @@ def flex_attention_forward(module, query, key, value, attention_mask, scaling=No
     if position_bias is not None or (attention_mask is not None and not isinstance(attention_mask, BlockMask)):
         raise ValueError("flex attention with a dense mask or a position bias is not modelled: use --attention sdpa")
 
-    def score_mod(score, batch_idx, head_idx, q_idx, kv_idx):
-        return score if softcap is None else softcap * torch.tanh(score / softcap)
+    def soft_capped(score, batch_idx, head_idx, q_idx, kv_idx):
+        return softcap * torch.tanh(score / softcap)
 
     heads = query.shape[1]
     enable_gqa = not heads & (heads - 1)  # transformers repeats the key/value heads for other counts (TP shards)
     if not enable_gqa:
         key = key.repeat_interleave(heads // key.shape[1], dim=1)
         value = value.repeat_interleave(heads // value.shape[1], dim=1)
-    from .attention import _tagged
-
-    with _tagged(FLEX):
-        out, aux = flex_attention(query, key, value, score_mod=score_mod if softcap is not None else None,
+    with tagged_meta(**{BACKEND_KEY: FLEX}):
+        out, aux = flex_attention(query, key, value, score_mod=soft_capped if softcap is not None else None,
                                   block_mask=attention_mask, scale=scaling, enable_gqa=enable_gqa,
                                   return_aux=AuxRequest(lse=True))
     lse = aux.lse.to(value.dtype)

@@ -1,5 +1,6 @@
-"""The attention kernels a run may enable (``torch.nn.attention.sdpa_kernel``), by name; no torch here, so
-``plan``'s parent process can check a run's list without importing it."""
+"""The attention kernels a run may enable (``torch.nn.attention.sdpa_kernel``) and the attention implementation
+it may set (``--attention``), by name; no torch here, so ``plan``'s parent process can check them without
+importing it."""
 
 from __future__ import annotations
 

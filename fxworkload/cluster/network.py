@@ -239,7 +239,7 @@ def deepep_ns(routing: tuple[int, int, int], ranks: int, domains: int, device: D
     the rank of the same local index there), which forwards it over NVLink to the domain's ranks that need it.
     Its time is the busier link's, at the share of the link DeepEP's kernels reach (DEEPEP_*_SHARE), after
     one call's latency. ``routing``: one copy of the rank's tokens in bytes, experts, experts per token."""
-    from ..parallel.collectives import expected_destinations
+    from ..parallel.collectives import expected_destinations  # here: collectives imports torch (see above)
 
     token_bytes, experts, top_k = routing
     t = device.network()

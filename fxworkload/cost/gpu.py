@@ -65,6 +65,7 @@ HEAD_DIM_TILE = 64
 FLASH_FORWARD_TILE = (128, 64)
 FLASH_FORWARD_CTAS_PER_SM = 2
 FLASH_SM8X = frozenset({"sm86", "sm87", "sm89"})
+LIST_SCHEDULE_MAX_CTAS = 1 << 17  # past this the grid's tail is under a percent of its time: the mean is used
 # FlexAttention's generated Triton kernels (capture/flex.py) against FlashAttention-2, PyTorch's flash backend, on
 # the same dense shapes, as their authors published them (D. Guessous et al., "FlexAttention: The Flexibility of
 # PyTorch With the Performance of FlashAttention", GTC 2025, and arXiv 2412.05496): on A100s 90 % of FA2's speed
@@ -72,13 +73,6 @@ FLASH_SM8X = frozenset({"sm86", "sm87", "sm89"})
 # backward ~3 % faster (Triton issues Hopper's warp-group MMAs, FA2 does not). (forward, backward) speed over
 # flash's; other GPUs are assumed to be as the nearest measured one (sm80's below sm90, sm90's from it on).
 FLEX_OVER_FLASH = {"sm80": (0.90, 0.85), "sm90": (1.25, 1.03)}
-
-
-def flex_over_flash(arch: str, backward: bool) -> float:
-    """FlexAttention's kernel speed over FlashAttention-2's on ``arch`` (FLEX_OVER_FLASH)."""
-    hopper_on = arch.startswith("sm") and arch[2:].isdigit() and int(arch[2:]) >= 90
-    return FLEX_OVER_FLASH["sm90" if hopper_on else "sm80"][backward]
-LIST_SCHEDULE_MAX_CTAS = 1 << 17  # past this the grid's tail is under a percent of its time: the mean is used
 
 
 @dataclass(frozen=True)
@@ -342,6 +336,12 @@ def flash_causal_grid_ratio(sequences: int, q_len: int, kv_len: int, sm_count: i
         return sum(causal) / (rows * full)
     unmasked = math.ceil(ctas / slots) * full
     return _makespan(causal * sequences, slots) / unmasked
+
+
+def flex_over_flash(arch: str, backward: bool) -> float:
+    """FlexAttention's kernel speed over FlashAttention-2's on ``arch`` (FLEX_OVER_FLASH)."""
+    hopper_on = arch.startswith("sm") and arch[2:].isdigit() and int(arch[2:]) >= 90
+    return FLEX_OVER_FLASH["sm90" if hopper_on else "sm80"][backward]
 
 
 def attention_ns(flops: int, backend: str, backward: bool, dtype: str, *, batch: int, heads: int, q_len: int,

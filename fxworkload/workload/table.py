@@ -324,19 +324,13 @@ def cost_of(node: torch.fx.Node, phase: str, device: DeviceProfile | None) -> Op
 
 def _flex_blocks(node: torch.fx.Node) -> tuple[int, int, int] | None:
     """A flex attention node's (partial, full, all) tiles: the tag on the op that made its block mask's first
-    table (capture/flex.py), found through the copies between; None for other ops or an untagged mask."""
+    table (capture/flex.py); None for other ops or an untagged mask."""
     if not flop_rules.is_flex_attention(node.target):
         return None
     block_mask = next((a for a in node.args if isinstance(a, tuple) and len(a) > 2), None)
     table = block_mask[2] if block_mask else None
-    for _ in range(8):
-        if not isinstance(table, torch.fx.Node):
-            return None
-        counts = table.meta.get("custom", {}).get(FLEX_BLOCKS_KEY)
-        if counts is not None:
-            return tuple(counts)
-        table = next((a for a in table.args if isinstance(a, torch.fx.Node)), None)
-    return None
+    counts = table.meta.get("custom", {}).get(FLEX_BLOCKS_KEY) if isinstance(table, torch.fx.Node) else None
+    return tuple(counts) if counts is not None else None
 
 
 def _main_ops(forward_nodes, module_of, costs, model) -> dict[torch.fx.Node, str]:
