@@ -66,6 +66,9 @@ LAYOUTS = {
                                                                 activation_offload_layers=16)),
     "mixtral-ep2": ("mixtral-8x7b", 4096, 1, "bf16", Parallel(tp=2, pp=2, dp=2, ep=2, sp=True, micro_batches=4,
                                                              zero=1)),
+    # DeepEP's kernels: both files carry each as an all-to-all of its per-rank bytes (one copy per token and rank)
+    "mixtral-ep2-deepep": ("mixtral-8x7b", 4096, 1, "bf16", Parallel(tp=2, pp=2, dp=2, ep=2, sp=True, micro_batches=4,
+                                                                    zero=1, ep_comm="deepep")),
     "llama-8b-cp-ring": ("llama-3-8b", 8192, 1, "bf16", Parallel(tp=2, cp=2, pp=2, sp=True, micro_batches=4, zero=1)),
     "llama-8b-cp-allgather": ("llama-3-8b", 8192, 1, "bf16", Parallel(tp=2, cp=4, sp=True, micro_batches=2,
                                                                         cp_comm="allgather")),
@@ -227,7 +230,7 @@ def ring_check(folder: Path, astra_run: str) -> str:
 def _describe(p: Parallel, batch: int, seq: int) -> str:
     parts = [f"tp{p.tp}{'+sp' if p.sp else ''}", *([f"cp{p.cp} ({p.cp_comm})"] if p.cp > 1 else []),
              f"pp{p.pp}" + (f" vpp{p.vpp}" if p.vpp > 1 else ""), f"dp{p.dp}"]
-    parts += [f"ep{p.ep}"] if p.ep > 1 else []
+    parts += [f"ep{p.ep}" + (f" ({p.ep_comm})" if p.ep_comm != "alltoall" else "")] if p.ep > 1 else []
     parts += [f"zero{p.zero}"] if p.zero else []
     parts += [f"recompute {p.recompute}"] if p.recompute != "none" else []
     parts += [f"{p.activation_offload_layers} layers' activations on the host"] if p.activation_offload_layers else []
