@@ -65,6 +65,8 @@ from tabulate import tabulate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from fxworkload.cost.system import System  # noqa: E402
+from fxworkload.parallel.execution import Execution  # noqa: E402
 from fxworkload.parallel.layout import Parallel  # noqa: E402
 from fxworkload.plan import Shape, evaluate_shape  # noqa: E402
 
@@ -414,8 +416,9 @@ def best_layout(model, tp, pp, dp, batch, seq, dtype, device, layers, recompute,
                    if v == 1 or (pp > 1 and m % pp == 0 and (min(pp_layers) >= v if pp_layers
                                                             else layers % (pp * v) == 0))
                    for n in _partial(r, v, pp_layers or (layers // pp,), partial_recompute)]
-        rows += evaluate_shape(model, Shape(tp, 1, micro_batch, cp), layouts, seq, dtype, device, STACK, grad_dtype,
-                               fp8)
+        rows += evaluate_shape(model, Shape(tp, 1, micro_batch, cp), layouts,
+                               Execution(seq=seq, dtype=dtype, grad_dtype=grad_dtype, stack=STACK, fp8=fp8),
+                               System(device))
     fitting = [r for r in rows if r["fits"]] or rows
     return min(fitting, key=lambda r: r["step_ms"]) | {"any_fits": any(r["fits"] for r in rows)}
 

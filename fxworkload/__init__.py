@@ -7,7 +7,8 @@ The public names are imported on first use, so that ``import fxworkload.cli`` (a
 __version__ = "0.1.0"
 
 _PUBLIC = {"extract": "fxworkload.pipeline", "Extraction": "fxworkload.pipeline",
-           "Parallel": "fxworkload.parallel.layout", "read_simai": "fxworkload.formats.simai"}
+           "Parallel": "fxworkload.parallel.layout", "Execution": "fxworkload.parallel.execution",
+           "System": "fxworkload.cost.system", "read_simai": "fxworkload.formats.simai"}
 __all__ = ["__version__", *_PUBLIC]
 
 

@@ -365,12 +365,15 @@ def _extract(args, set_stage) -> int:
         from .pipeline import load_device
         from .cost.devices import with_topology
         check_device(with_topology(load_device(args.device), args.topology), parallel)
-    result = extract(args.model, batch=args.batch, seq=args.seq, dtype=args.dtype, grad_dtype=args.grad_dtype,
-                     device=args.device, size_unit=args.size_unit, trace_on=args.trace_on,
-                     use_cache=not args.no_cache, every_layer=args.every_layer, progress=True, parallel=parallel,
-                     dropout=not args.no_dropout,
-                     name=args.name, stack=args.stack, fp8=args.fp8, topology=args.topology,
-                     fp8_recipe=args.fp8_recipe, sdpa_backends=args.sdpa_backends, attention=args.attention)
+    from .cost.system import System
+    from .parallel.execution import Execution
+
+    execution = Execution(batch=args.batch, seq=args.seq, dtype=args.dtype, grad_dtype=args.grad_dtype,
+                          parallel=parallel, stack=args.stack, fp8=args.fp8, fp8_recipe=args.fp8_recipe,
+                          dropout=not args.no_dropout, sdpa_backends=args.sdpa_backends, attention=args.attention)
+    result = extract(args.model, execution, System(args.device, args.topology), name=args.name,
+                     size_unit=args.size_unit, trace_on=args.trace_on, use_cache=not args.no_cache,
+                     every_layer=args.every_layer, progress=True)
     set_stage(f"writing {', '.join(formats)} of {result.name}")
     summary = result.summary(args.top, formats)
     return _publish(args.out or Path("outputs") / result.name, summary, result.files(formats), result.settings)

@@ -20,28 +20,31 @@ import torch
 from . import __version__
 from .capture.attention import GpuTarget, enabled
 from .capture.builtin import locate, without_dropout
-from .capture.sdpa_backends import check_attention, check_sdpa_backends
+from .capture.sdpa_backends import check_sdpa_backends
 from .cost import devices
 from .cost.devices import DeviceProfile
+from .cost.system import FIELDS as SYSTEM_FIELDS
+from .cost.system import System
 from .cost.gpu import RESIDENT_THREADS, SM_THREADS
 from .dtypes import DTYPES
-from .limits import check_settings
 from .memo import Memo
 from .errors import UserError
 from .names import check_name
 from .parallel.facts import ModelFacts, check_positions
 from .parallel.layout import Parallel, padded_vocab
 from .parallel.layout import check as check_parallel
-from .parallel.layout import check_sequence, check_values
+from .parallel.layout import check_sequence
 from .parallel.memory import RankMemory, rank_memory
 from .parallel.rank import RankWorkload, rank_workload
 from .parallel.recompute import with_recompute
 from .parallel.context_parallel import with_context_parallel
+from .parallel.execution import FIELDS as EXECUTION_FIELDS
+from .parallel.execution import Execution
 from .parallel.sequence_parallel import with_sequence_parallel
 from .progress import say as print_progress
 from .workload import cache as graph_cache
 from .workload.cuda_graphs import with_cuda_graphs
-from .workload.fp8 import check_fp8, check_recipe, with_fp8
+from .workload.fp8 import check_fp8, with_fp8
 from .workload.stacks import check_stack
 from .workload.table import Workload, recost
 
@@ -61,6 +64,7 @@ class Extraction:
     memory: RankMemory  # the --stage rank's memory at its peak, part by part
     model: str = field(default="", repr=False)  # the model argument, for ``spec``
     model_workload: Workload | None = field(default=None, repr=False)  # before recomputation: the model's FLOPs
+    execution: Execution = field(default_factory=Execution, repr=False)  # as run, its sequence resolved
 
     @property
     def name(self) -> str:
@@ -158,9 +162,8 @@ class Extraction:
         from .cluster.network import check_device
 
         check_device(self.device, self.rank.parallel)
-        s = self.settings
-        return cluster_step(self.facts, self.workload, self.model_workload or self.workload, self.rank.parallel,
-                            s["batch"], s["seq_per_rank"], s["dtype"], s["grad_dtype"], self.device)
+        return cluster_step(self.facts, self.workload, self.model_workload or self.workload,
+                            replace(self.execution, parallel=self.rank.parallel), self.device)
 
     def cluster_or_none(self):
         """The cluster step, or None where the profile lacks the interconnect its collectives need."""
@@ -184,61 +187,44 @@ class CostedStep:
     facts: ModelFacts
     workload: Workload  # as captured (the rank's share: tp, ep, cp, sp; fp8), costed on ``device``
     device: DeviceProfile
-    seq_per_rank: int
+    execution: Execution  # its sequence resolved; the layout's capture settings (pp, zero, ... are the layouts')
 
 
-def extract(model: str, batch: int = 1, seq: int | None = None, dtype: str = "fp32",
-            grad_dtype: str | None = None, device: str = "a100-80gb", size_unit: str = "bytes",
-            trace_on: str = "auto", use_cache: bool = True, every_layer: bool = False,
-            progress: bool = False, parallel: Parallel | None = None, name: str | None = None,
-            stack: str = "eager", fp8: bool = False, rank_view: bool = True,
-            topology: str | None = None, dropout: bool = True, fp8_recipe: str = "te",
-            sdpa_backends: tuple[str, ...] | None = None, attention: str | None = None) -> Extraction:
+def extract(model: str, execution: Execution | None = None, system: System | None = None, *,
+            name: str | None = None, size_unit: str = "bytes", trace_on: str = "auto", use_cache: bool = True,
+            every_layer: bool = False, progress: bool = False, rank_view: bool = True, **fields) -> Extraction:
     """One training step of ``model`` (a built-in name, checkpoint folder, config.json or cached
-    HuggingFace id), costed on ``device``; ``name`` replaces the model's name in the outputs.
-    ``trace_on`` is whose dispatch the graph follows: ``auto`` (the device profile's: a GPU profile
-    records the fused attention kernel that GPU would choose), ``cpu`` or ``cuda`` (no GPU needed);
-    ``every_layer`` traces all layers even where one layer could stand for all (see layers.py);
-    ``batch`` is the micro-batch of one rank; with tp or ep > 1 the rank's share of the model is traced;
-    ``stack`` the execution stack whose kernels and saved activations are costed (workload/stacks.py);
-    ``fp8``: the decoder layers' linear GEMMs in FP8 as Transformer Engine runs them (workload/fp8.py).
-    ``topology``: ``--topology key=value,...`` over the device's own network (cost/topology.py).
-    ``fp8_recipe``: with ``fp8``, whose FP8 scaling runs: ``te`` (Transformer Engine) or ``torchao`` (workload/fp8.py).
-    ``sdpa_backends``: the attention kernels the run enables, as ``torch.nn.attention.sdpa_kernel`` (e.g.
-    ``("flash", "efficient")``, torchtitan's with context parallelism); None: all, in the GPU profile's order.
-    ``attention``: transformers' attention implementation the run sets (``sdpa``, ``eager`` or ``flex``:
-    FlexAttention, capture/flex.py); None: the model's default.
-    ``dropout=False``: every dropout probability of the config 0, as a loop runs the model in eval mode
-    (``from_pretrained``'s, until ``model.train()``).
+    HuggingFace id) run as ``execution`` says (parallel/execution.py: micro-batch, sequence, dtypes, layout,
+    stack, FP8, attention) on ``system`` (cost/system.py: the device profile and ``--topology`` over its
+    network). ``fields``: any of those two objects' fields by name, replacing theirs (``extract("gpt2",
+    batch=2, dtype="bf16", device="h100-sxm")``).
+    ``name`` replaces the model's name in the outputs; ``trace_on`` is whose dispatch the graph follows:
+    ``auto`` (the device profile's: a GPU profile records the fused attention kernel that GPU would
+    choose), ``cpu`` or ``cuda`` (no GPU needed); ``every_layer`` traces all layers even where one layer
+    could stand for all (see layers.py). With tp or ep > 1 the rank's share of the model is traced.
     ``rank_view=False`` stops at the costed step (a ``CostedStep``: what a layout search evaluates
-    its layouts from), without the rank's units and memory for ``parallel``."""
-    grad_dtype = dtype if grad_dtype is None else grad_dtype
-    parallel = parallel or Parallel()
-    check_settings(batch, seq, dtype, grad_dtype)
-    check_values(parallel)
-    check_stack(stack)
-    check_attention(attention)
+    its layouts from), without the rank's units and memory for the execution's layout."""
+    execution, system = _with_fields(execution, system, fields)
+    execution = replace(execution, grad_dtype=execution.gradients).checked()
+    parallel, dtype, grad_dtype = execution.parallel, execution.dtype, execution.grad_dtype
     if name is not None:
         check_name(name, "--name")
-    profile = devices.with_topology(load_device(device, say=print_progress if progress else None), topology)
+    profile = devices.with_topology(load_device(system.device, say=print_progress if progress else None),
+                                    system.topology)
     devices.check_dtype(profile, dtype)
     if parallel.optimizer_offload or parallel.activation_offload_layers:
         from .cluster.offload import check_host_tier
 
         check_host_tier(profile)
-    if fp8:
+    if execution.fp8:
         check_fp8(profile, dtype)
-        check_recipe(fp8_recipe)
-    elif fp8_recipe != "te":
-        raise UserError(f"--fp8-recipe {fp8_recipe} says how FP8 GEMMs are scaled: it needs --fp8")
-    elif parallel.fp8_param_gather:
-        raise UserError("--fp8-param-gather gathers the FP8 linear weights: it needs --fp8")
-    gpu = trace_target(trace_on, profile, sdpa_backends)
+    gpu = trace_target(trace_on, profile, execution.sdpa_backends)
     platform = (f"rocm {profile.arch}" if profile.arch.startswith("gfx")  # ROCm's torch: the "cuda" device type
                 else f"cuda sm{gpu.arch[0]}{gpu.arch[1]}" if gpu is not None else "")
     traced_on = "cpu" if gpu is None else f"{platform} sdpa {'>'.join(gpu.priority)}"
     say = print_progress if progress else (lambda text: None)
 
+    seq = execution.seq
     if parallel.cp > 1:  # each rank is captured on its own tokens (context_parallel.py)
         if seq is None:
             raise UserError(f"--cp {parallel.cp} splits the sequence: give its length with --seq")
@@ -250,11 +236,12 @@ def extract(model: str, batch: int = 1, seq: int | None = None, dtype: str = "fp
     raw_config = _raw_config(config_path)
     # the kernels' scratch (workload/scratch.py) follows the GPU's SMs: two sm90 boards differ
     trace_device = traced_on if gpu is None else f"{traced_on} {gpu.sm_count}x{gpu.threads_per_sm}"
+    attention = execution.attention
     keyed_config = raw_config if attention is None else {**raw_config, "_attn_implementation": attention}
-    cache_key = graph_cache.key(keyed_config if dropout else without_dropout(keyed_config), batch, seq, dtype, grad_dtype,
-                                trace_device,
+    cache_key = graph_cache.key(keyed_config if execution.dropout else without_dropout(keyed_config),
+                                execution.batch, seq, dtype, grad_dtype, trace_device,
                                 shards=(parallel.tp, parallel.ep), vocab_multiple=parallel.vocab_multiple,
-                                every_layer=every_layer, stack=stack)
+                                every_layer=every_layer, stack=execution.stack)
     cached = graph_cache.load(cache_key, ModelFacts) if use_cache else None
     if cached is not None:
         check_parallel(parallel, cached.facts)  # before any progress line: a bad layout is the only thing said
@@ -262,44 +249,70 @@ def extract(model: str, batch: int = 1, seq: int | None = None, dtype: str = "fp
         say(f"read the captured step from the cache ({graph_cache.path_of(cache_key)})")
         workload, seq, facts = cached.workload, cached.seq, cached.facts
     else:
-        workload, seq, facts = _capture(model, batch, seq, dtype, grad_dtype, gpu, every_layer, say, parallel, stack,
-                                        dropout, attention)
+        workload, seq, facts = _capture(model, execution, gpu, every_layer, say)
         say(f"captured {len(workload.ops())} ops in {time.perf_counter() - start:.1f} s")
         if use_cache:
             graph_cache.save(cache_key, graph_cache.CachedStep(workload=workload, seq=seq, facts=facts))
     facts = replace(facts, name=name)  # the cache is keyed by config: another path may share the step
     check_sequence(parallel, seq * parallel.cp)
-    whole_seq = seq * parallel.cp
+    execution = replace(execution, seq=seq * parallel.cp)  # the model's own sequence where none was given
     say(f"costing on {profile.name}...")
-    workload = captured = with_context_parallel(
-        with_sequence_parallel(recost(workload, profile), parallel, facts.stack, facts.row_parallel,
-                               profile.kernel_launch_ns), parallel, profile)
-    if fp8:
-        workload = captured = with_fp8(workload, profile, facts.stack, fp8_recipe,
-                                       sp_tp=parallel.tp if parallel.sp else 1, row_parallel=facts.row_parallel)
-    workload = captured = with_cuda_graphs(workload, profile, parallel.cuda_graphs, facts.stack)
+    workload = captured = _costed(workload, execution, facts, profile)
     if not rank_view:
-        return CostedStep(facts=facts, workload=captured, device=profile, seq_per_rank=seq)
+        return CostedStep(facts=facts, workload=captured, device=profile, execution=execution)
     captured_saved_bytes = workload.saved_bytes
-    layer_input_bytes = batch * seq * facts.hidden * DTYPES[dtype].itemsize // (parallel.tp if parallel.sp else 1)
+    layer_input_bytes = execution.batch * seq * facts.hidden * DTYPES[dtype].itemsize // (parallel.tp if parallel.sp else 1)
     workload, regenerated_bytes = with_recompute(workload, parallel, facts.stack, facts.layers, layer_input_bytes)
-    settings = {"model": facts.name, "model_type": facts.model_type, "task": facts.task,
-                "batch": batch, "seq": whole_seq, "seq_per_rank": seq, "dtype": dtype, "fp8": fp8, "stack": stack, "grad_dtype": grad_dtype, "device": profile.name,
-                "dropout": dropout, **({"fp8_recipe": fp8_recipe} if fp8 else {}),
-                "traced_on": traced_on, "size_unit": size_unit, "parallel": parallel.as_dict(),
-                "fxworkload_version": __version__, "torch_version": torch.__version__,
-                "transformers_version": metadata.version("transformers")}
-    if topology:
-        settings["topology"] = topology
-    if sdpa_backends is not None:
-        settings["sdpa_backends"] = list(sdpa_backends)
-    if attention is not None:
-        settings["attention"] = attention
-    rank = rank_workload(facts, workload, parallel, batch, seq, dtype, grad_dtype)
+    settings = _settings(facts, execution, system, profile, traced_on, size_unit)
+    rank = rank_workload(facts, workload, execution)
     memory = rank_memory(rank.parallel, rank.units, workload, dtype, grad_dtype, captured_saved_bytes,
                          regenerated_bytes, profile.memory_capacity_bytes, profile.host_memory_capacity_bytes)
     return Extraction(facts=facts, workload=workload, device=profile, settings=settings, rank=rank, memory=memory,
-                      model=model, model_workload=captured)
+                      model=model, model_workload=captured, execution=execution)
+
+
+def _with_fields(execution: Execution | None, system: System | None, fields: dict) -> tuple[Execution, System]:
+    """The execution and system with the fields named by keyword replaced (a field neither has is a TypeError,
+    as an unknown keyword is)."""
+    unknown = set(fields) - EXECUTION_FIELDS - SYSTEM_FIELDS
+    if unknown:
+        raise TypeError(f"extract() got unexpected keyword arguments: {', '.join(sorted(unknown))}")
+    execution = replace(execution or Execution(), **{k: v for k, v in fields.items() if k in EXECUTION_FIELDS})
+    system = replace(system or System(), **{k: v for k, v in fields.items() if k in SYSTEM_FIELDS})
+    return execution, system
+
+
+def _costed(workload: Workload, execution: Execution, facts: ModelFacts, profile: DeviceProfile) -> Workload:
+    """The captured step costed on ``profile`` as the execution runs it: sequence and context parallelism's
+    collectives and kernels, FP8's GEMMs and casts, CUDA graphs' launches."""
+    parallel = execution.parallel
+    workload = with_context_parallel(
+        with_sequence_parallel(recost(workload, profile), parallel, facts.stack, facts.row_parallel,
+                               profile.kernel_launch_ns), parallel, profile)
+    if execution.fp8:
+        workload = with_fp8(workload, profile, facts.stack, execution.fp8_recipe,
+                            sp_tp=parallel.tp if parallel.sp else 1, row_parallel=facts.row_parallel)
+    return with_cuda_graphs(workload, profile, parallel.cuda_graphs, facts.stack)
+
+
+def _settings(facts: ModelFacts, execution: Execution, system: System, profile: DeviceProfile, traced_on: str,
+              size_unit: str) -> dict:
+    """What the outputs record of the run (workload.json's ``settings``)."""
+    settings = {"model": facts.name, "model_type": facts.model_type, "task": facts.task,
+                "batch": execution.batch, "seq": execution.seq, "seq_per_rank": execution.seq_per_rank,
+                "dtype": execution.dtype, "fp8": execution.fp8, "stack": execution.stack,
+                "grad_dtype": execution.gradients, "device": profile.name, "dropout": execution.dropout,
+                **({"fp8_recipe": execution.fp8_recipe} if execution.fp8 else {}),
+                "traced_on": traced_on, "size_unit": size_unit, "parallel": execution.parallel.as_dict(),
+                "fxworkload_version": __version__, "torch_version": torch.__version__,
+                "transformers_version": metadata.version("transformers")}
+    if system.topology:
+        settings["topology"] = system.topology
+    if execution.sdpa_backends is not None:
+        settings["sdpa_backends"] = list(execution.sdpa_backends)
+    if execution.attention is not None:
+        settings["attention"] = execution.attention
+    return settings
 
 
 def check_formats(formats) -> list[str]:
@@ -321,9 +334,9 @@ def _raw_config(path) -> dict:
     return data if isinstance(data, dict) else {"not_an_object": str(path)}
 
 
-def _capture(model, batch, seq, dtype, grad_dtype, gpu, every_layer, say, parallel, stack, dropout=True,
-             attention=None):
-    """Resolve with transformers, check the layout, and capture: (workload, seq, facts)."""
+def _capture(model, execution: Execution, gpu, every_layer, say):
+    """Resolve with transformers, check the layout, and capture the rank's step: (workload, the tokens of its
+    sequence, facts); without the execution's sequence, the model's own."""
     from .capture import models
     from .capture.models import step_seq
     from .capture.trace import capture_training_step
@@ -333,10 +346,12 @@ def _capture(model, batch, seq, dtype, grad_dtype, gpu, every_layer, say, parall
     from .workload.layers import SHORT_LAYERS, fast_workload
     from .workload.table import build
 
+    parallel, dtype, stack, batch = execution.parallel, execution.dtype, execution.stack, execution.batch
+    seq = None if execution.seq is None else execution.seq_per_rank
     spec = _with_padded_vocab(models.resolve(model), parallel.vocab_multiple, parallel.tp)
-    if not dropout:
+    if not execution.dropout:
         spec = models.spec_without_dropout(spec)
-    spec = models.spec_with_attention(spec, attention)
+    spec = models.spec_with_attention(spec, execution.attention)
     if parallel.cp > 1:  # the rank's tokens are captured; the whole sequence must fit the model's positions
         step_seq(spec, seq * parallel.cp)
     seq = step_seq(spec, seq)
@@ -353,7 +368,7 @@ def _capture(model, batch, seq, dtype, grad_dtype, gpu, every_layer, say, parall
     if not every_layer and facts.layers > max(SHORT_LAYERS):
         if stack_alike is not None:
             say(f"capturing one training step (batch {batch}, seq {seq}) of {SHORT_LAYERS[0]}- and {SHORT_LAYERS[1]}-layer copies...")
-            workload = fast_workload(spec, stack_alike, batch, seq, DTYPES[dtype], DTYPES[grad_dtype], gpu, prepare,
+            workload = fast_workload(spec, stack_alike, batch, seq, DTYPES[dtype], DTYPES[execution.gradients], gpu, prepare,
                                      stack)
             if workload is not None:
                 return workload, seq, facts
@@ -362,7 +377,7 @@ def _capture(model, batch, seq, dtype, grad_dtype, gpu, every_layer, say, parall
         say(f"capturing one training step (batch {batch}, seq {seq}), every layer...")
     module = prepare(models.build_meta_model(spec, DTYPES[dtype]))
     capture = capture_training_step(module, batch, seq, gpu=gpu)
-    return build(capture, module, None, DTYPES[grad_dtype], stack), seq, facts
+    return build(capture, module, None, DTYPES[execution.gradients], stack), seq, facts
 
 
 # A layout search captures many rank shapes of one model in a process: its whole meta model is built once,

@@ -79,11 +79,16 @@ class Run:
 
 
 @dataclass(frozen=True)
-class System:
-    """Where it runs: each device profile asked for (its memory and its network), and the user's
-    ``--topology`` over each profile's own network (cost/topology.py)."""
+class Systems:
+    """Where it may run: each device profile asked for (its memory and its network, the user's ``--topology``
+    applied), each the ``System`` (cost/system.py) of the layouts evaluated on it."""
     profiles: tuple
     topology: str | None = None
+
+    def system(self, device: str):
+        from .cost.system import System
+
+        return System(device, self.topology)
 
 
 def candidate_layouts(run: Run, facts, gpus_per_node: int) -> tuple[dict, dict[str, int]]:
@@ -169,16 +174,14 @@ def _divisors(n: int) -> list[int]:
     return sorted({*small, *(n // d for d in small)})
 
 
-def evaluate_shape(model: str, shape: Shape, layouts: list, seq: int, dtype: str, device: str,
-                   stack: str = "eager", grad_dtype: str | None = None, fp8: bool = False,
-                   time_unfit: bool = True, topology: str | None = None,
-                   sdpa_backends: tuple[str, ...] | None = None, attention: str | None = None) -> list[dict]:
-    """Capture (or read from the cache) one rank shape and evaluate each of its layouts: its memory first,
-    then, where it fits (or with ``time_unfit``), its step. A layout that does not fit gets no step figures
-    (None): a plan ranks only those that fit, and most layouts of a large model do not."""
+def evaluate_shape(model: str, shape: Shape, layouts: list, execution, system, time_unfit: bool = True) -> list[dict]:
+    """Capture (or read from the cache) one rank shape and evaluate each of its layouts, run as ``execution``
+    (parallel/execution.py: its sequence, dtypes, stack, FP8, attention; the shape's micro-batch and each
+    layout replace its own) on ``system`` (cost/system.py): its memory first, then, where it fits (or with
+    ``time_unfit``), its step. A layout that does not fit gets no step figures (None): a plan ranks only
+    those that fit, and most layouts of a large model do not."""
     with _collector_paused():
-        return _evaluate_shape(model, shape, layouts, seq, dtype, device, stack, grad_dtype or dtype, fp8, time_unfit,
-                               topology, sdpa_backends, attention)
+        return _evaluate_shape(model, shape, layouts, replace(execution, batch=shape.micro_batch), system, time_unfit)
 
 
 @contextlib.contextmanager
@@ -196,18 +199,17 @@ def _collector_paused():
             gc.enable()
 
 
-def _evaluate_shape(model, shape, layouts, seq, dtype, device, stack, grad_dtype, fp8, time_unfit,
-                    topology=None, sdpa_backends=None, attention=None) -> list[dict]:
+def _evaluate_shape(model, shape, layouts, execution, system, time_unfit) -> list[dict]:
     from .dtypes import DTYPES
     from .parallel.recompute import with_recompute
     from .pipeline import extract
 
     first = layouts[0]
-    base = extract(model, batch=shape.micro_batch, seq=seq, dtype=dtype, grad_dtype=grad_dtype, device=device,
-                   stack=stack, fp8=fp8, rank_view=False, topology=topology, sdpa_backends=sdpa_backends, attention=attention,
-                   parallel=replace(first, pp=1, vpp=1, pp_layers=None, micro_batches=1, zero=0, recompute="none",
-                                    recompute_layers=None))
-    facts, captured, profile, seq = base.facts, base.workload, base.device, base.seq_per_rank
+    base = extract(model, replace(execution, parallel=replace(
+        first, pp=1, vpp=1, pp_layers=None, micro_batches=1, zero=0, recompute="none", recompute_layers=None)),
+        system, rank_view=False)
+    facts, captured, profile, execution = base.facts, base.workload, base.device, base.execution
+    seq, dtype = execution.seq_per_rank, execution.dtype
     recomputed, steps = {}, {}
     rows = []
     for p in layouts:
@@ -216,10 +218,10 @@ def _evaluate_shape(model, shape, layouts, seq, dtype, device, stack, grad_dtype
             layer_input = shape.micro_batch * seq * facts.hidden * DTYPES[dtype].itemsize // (p.tp if p.sp else 1)
             recomputed[key] = with_recompute(captured, p, facts.stack, facts.layers, layer_input)
         workload, regenerated = recomputed[key]
-        peak, host_fits = _peak_bytes(facts, workload, captured, p, shape.micro_batch, seq, dtype, grad_dtype,
-                                      regenerated, profile)
+        layout = replace(execution, parallel=p)
+        peak, host_fits = _peak_bytes(facts, workload, captured, layout, regenerated, profile)
         fits = peak <= profile.memory_capacity_bytes and host_fits if profile.memory_capacity_bytes else None
-        row = _layout_fields(p, profile.name, shape, fp8) | {"peak_bytes": peak, "fits": fits}
+        row = _layout_fields(p, profile.name, shape, execution.fp8) | {"peak_bytes": peak, "fits": fits}
         if fits is False and not time_unfit:
             rows.append(row | dict.fromkeys(STEP_FIGURES))
             continue
@@ -227,7 +229,7 @@ def _evaluate_shape(model, shape, layouts, seq, dtype, device, stack, grad_dtype
         # parameters' all-gather): one step; they differ in what each rank keeps (its memory above)
         same_step = (key, replace(p, zero=1) if p.zero == 2 else p)
         if same_step not in steps:
-            steps[same_step] = _step(facts, workload, captured, p, shape.micro_batch, seq, dtype, grad_dtype, profile)
+            steps[same_step] = _step(facts, workload, captured, layout, profile)
         rows.append(row | steps[same_step])
     return rows
 
@@ -244,13 +246,14 @@ _ROW_KEYS = {"device", "tp", "cp", "pp", "pp_layers", "dp", "ep", "sp", "vpp", "
 _FLAT = Memo(4096)  # a device's units in one list, once per chunks: rank_memory sums each list once
 
 
-def _peak_bytes(facts, workload, captured, p, micro_batch, seq, dtype, grad_dtype, regenerated,
-                profile) -> tuple[int, bool]:
+def _peak_bytes(facts, workload, captured, execution, regenerated, profile) -> tuple[int, bool]:
     """The layout's GPU memory at its peak (the first stage holds the most micro-batches, the last the head), and
     whether what it offloads fits in the GPU's share of the host's memory."""
     from .parallel.memory import rank_memory
     from .parallel.rank import model_parallel_chunks
 
+    p, micro_batch, seq = execution.parallel, execution.batch, execution.seq_per_rank
+    dtype, grad_dtype = execution.dtype, execution.gradients
     peak, host_fits = 0, True
     for d in sorted({0, p.pp - 1}):
         chunks = model_parallel_chunks(facts, workload, p, d, micro_batch, seq, dtype)
@@ -261,10 +264,10 @@ def _peak_bytes(facts, workload, captured, p, micro_batch, seq, dtype, grad_dtyp
     return peak, host_fits
 
 
-def _step(facts, workload, captured, p, micro_batch, seq, dtype, grad_dtype, profile) -> dict:
+def _step(facts, workload, captured, execution, profile) -> dict:
     from .cluster.step import cluster_step
 
-    step = cluster_step(facts, workload, captured, p, micro_batch, seq, dtype, grad_dtype, profile, alike=True)
+    step = cluster_step(facts, workload, captured, execution, profile, alike=True)
     low, high = step.step_interval_ns or (step.step_ns,) * 2
     figures = {"parts_ms": _parts_ms(step), "step_ms": step.step_ns / 1e6, "mfu": step.mfu, "hfu": step.hfu,
                "step_low_ms": low / 1e6, "step_high_ms": high / 1e6, "tflops_per_gpu": step.tflops_per_gpu,
@@ -318,11 +321,11 @@ def plan(model: str, gpus: int, global_batch: int, seq: int, device: str = "h100
     check_attention(attention)
     run = Run(model, gpus, global_batch, seq, dtype, stack, check_cp_degrees(cp), fp8, overlap_param_gather,
               tp_comm_overlap, offload, cuda_graphs, sdpa_backends, attention, ep_comm)
-    system = System(tuple(_plan_device(name, fp8, dtype, topology) for name in _device_names(device)), topology)
+    systems = Systems(tuple(_plan_device(name, fp8, dtype, topology) for name in _device_names(device)), topology)
     if offload:
         from .cluster.offload import check_host_tier
 
-        for profile in system.profiles:
+        for profile in systems.profiles:
             check_host_tier(profile)
     if ray is not None:
         _probe(ray)  # a wrong address is said now, even when every shape is read from the cache
@@ -332,7 +335,7 @@ def plan(model: str, gpus: int, global_batch: int, seq: int, device: str = "h100
         # reads the model's facts (this process never imports torch, which the workers have anyway).
         early = (stack_of_resources.enter_context(_pool(workers or os.cpu_count() or 1))
                  if ray is None and not _facts_cached(model, dtype) else None)
-        result = _plan(run, system, workers, ray, progress, early)
+        result = _plan(run, systems, workers, ray, progress, early)
     return result | ({"topology": topology} if topology else {}) | (
         {"overlap_param_gather": True} if overlap_param_gather else {}) | (
         {"tp_comm_overlap": True} if tp_comm_overlap else {}) | ({"optimizer_offload": True} if offload else {}) | (
@@ -342,9 +345,9 @@ def plan(model: str, gpus: int, global_batch: int, seq: int, device: str = "h100
         {"ep_comm": ep_comm} if ep_comm != "alltoall" else {})
 
 
-def _plan(run: Run, system: System, workers, ray, progress, early) -> dict:
+def _plan(run: Run, systems: Systems, workers, ray, progress, early) -> dict:
     model, gpus, global_batch, seq, dtype, profiles = (run.model, run.gpus, run.global_batch, run.seq, run.dtype,
-                                                       system.profiles)
+                                                       systems.profiles)
     if early is not None:
         facts = early.apply(_facts, (model, dtype))
     else:
@@ -363,9 +366,9 @@ def _plan(run: Run, system: System, workers, ray, progress, early) -> dict:
                         f"parallelism must divide its {facts.heads} heads within a node of {profiles[0].gpus_per_node}, "
                         f"pipeline stages at most its {facts.layers} layers, and data parallelism x micro-batch the "
                         "global batch; choose a GPU count and batch those divide")
-    settings = {"seq": seq, "dtype": dtype, "stack": run.stack, "fp8": run.fp8, "topology": system.topology,
+    settings = {"seq": seq, "dtype": dtype, "stack": run.stack, "fp8": run.fp8, "topology": systems.topology,
                 "sdpa_backends": run.sdpa_backends, "attention": run.attention, "devices": {p.name: asdict(p) for p in profiles}, "config": _raw_config(model)}
-    rows = _run(model, groups, settings, workers, ray, progress, early)
+    rows = _run(model, groups, settings, _execution(run), systems, workers, ray, progress, early)
     fitting = sorted((r for r in rows if r["fits"]), key=rank_key)
     for row in fitting:  # within the best's error interval: the estimates cannot tell them apart
         row["overlaps_best"] = row["step_low_ms"] <= fitting[0]["step_high_ms"]
@@ -650,7 +653,7 @@ def _cached_rows(entry, task: tuple) -> list[dict] | None:
     if rows is None:
         return None
     (device, shape), layouts = task[1], task[2]
-    problem = _rows_problem(rows, layouts, device, shape, task[6])
+    problem = _rows_problem(rows, layouts, device, shape, task[3].fp8)
     if problem:
         store.note(f"cache: {path} does not hold this shape's rows ({problem}): not used, the shape is evaluated again")
         return None
@@ -694,8 +697,18 @@ def _number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def _run(model, groups, settings, workers, ray_address, progress, early=None) -> list[dict]:
-    """``early``: a pool already started, used if any shape is left to evaluate."""
+def _execution(run: Run):
+    """What every layout of the search runs with (each shape's micro-batch and each layout replace theirs)."""
+    from .parallel.execution import Execution
+
+    return Execution(seq=run.seq, dtype=run.dtype, stack=run.stack, fp8=run.fp8, sdpa_backends=run.sdpa_backends,
+                     attention=run.attention)
+
+
+def _run(model, groups, settings, execution, systems: Systems, workers, ray_address, progress, early=None
+         ) -> list[dict]:
+    """Every shape's rows, read from the cache or evaluated; ``early``: a pool already started, used if any
+    shape is left to evaluate."""
     from tqdm import tqdm
 
     total = sum(len(v) for v in groups.values())
@@ -703,8 +716,7 @@ def _run(model, groups, settings, workers, ray_address, progress, early=None) ->
                disable=not (progress and sys.stderr.isatty()))  # a bar for a person, not for a log
     rows, tasks = [], []
     for (device, shape), layouts in groups.items():
-        task = (model, (device, shape), layouts, settings["seq"], settings["dtype"], settings["stack"], settings["fp8"],
-                settings["topology"], settings["sdpa_backends"], settings["attention"])
+        task = (model, (device, shape), layouts, execution, systems.system(device))
         path = _rows_entry(task, settings)
         cached = _cached_rows(path, task)
         if cached is None:
@@ -818,9 +830,8 @@ def _evaluate_indexed(item: tuple) -> tuple[int, list[dict]]:
 
 
 def _evaluate(task: tuple) -> list[dict]:
-    model, (device, shape), layouts, seq, dtype, stack, fp8, topology, sdpa_backends, attention = task
-    return evaluate_shape(model, shape, layouts, seq, dtype, device, stack, fp8=fp8, time_unfit=False,
-                          topology=topology, sdpa_backends=sdpa_backends, attention=attention)
+    model, (_, shape), layouts, execution, system = task
+    return evaluate_shape(model, shape, layouts, execution, system, time_unfit=False)
 
 
 def _worker_start() -> None:

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from fxworkload.cost.system import System
+from fxworkload.parallel.execution import Execution
 from fxworkload.parallel.layout import Parallel
 from fxworkload.pipeline import extract
 from fxworkload.plan import Run, Shape, candidate_layouts, evaluate_shape, plan
@@ -19,6 +21,7 @@ from fxworkload.plan import Run, Shape, candidate_layouts, evaluate_shape, plan
 from .conftest import tiny_config
 from .test_cli import fxworkload, in_process
 
+BF16_16, H100 = Execution(seq=16, dtype="bf16"), System("h100-sxm")  # evaluate_shape's run and system
 
 @pytest.fixture(scope="module")
 def four_layers(tmp_path_factory):
@@ -48,7 +51,7 @@ def test_a_shapes_rows_are_the_cluster_step_of_each_layout(four_layers, cp):
     """Each row against its own extract (nothing shared): what the search computes once for many layouts
     (passes, buckets, schedules, one step for ZeRO 1 and 2) gives each layout's own figures."""
     layouts = [Parallel(tp=2, sp=True, pp=2, dp=2, cp=cp, micro_batches=4, zero=z) for z in (0, 1, 2, 3)]
-    rows = evaluate_shape(four_layers, Shape(2, 1, 1, cp), layouts, 16, "bf16", "h100-sxm")
+    rows = evaluate_shape(four_layers, Shape(2, 1, 1, cp), layouts, BF16_16, H100)
     for row, p in zip(rows, layouts):
         result = extract(four_layers, batch=1, seq=16, dtype="bf16", device="h100-sxm", parallel=p)
         assert row["step_ms"] == pytest.approx(result.cluster.step_ns / 1e6)
@@ -68,7 +71,7 @@ def test_devices_holding_alike_layers_share_their_figures(tmp_path):
     model = str(tmp_path)
     layouts = [Parallel(tp=2, sp=True, pp=4, dp=1, micro_batches=8, zero=zero, vpp=vpp)
                for zero in (0, 3) for vpp in (1, 2)]
-    rows = evaluate_shape(model, Shape(2, 1, 1), layouts, 16, "bf16", "h100-sxm")
+    rows = evaluate_shape(model, Shape(2, 1, 1), layouts, BF16_16, H100)
     base = extract(model, batch=1, seq=16, dtype="bf16", device="h100-sxm", rank_view=False,
                    parallel=Parallel(tp=2, sp=True))
     assert _alike_devices(base.facts, base.workload, base.workload, layouts[0]) == [0, 1, 1, 3]
@@ -85,8 +88,8 @@ def test_a_layout_that_does_not_fit_is_not_timed():
     from fxworkload.plan import STEP_FIGURES
 
     layouts = [Parallel(dp=64, micro_batches=1, zero=zero) for zero in (0, 3)]
-    timed = evaluate_shape("llama-3-70b", Shape(1, 1, 1), layouts, 16, "bf16", "h100-sxm")
-    untimed = evaluate_shape("llama-3-70b", Shape(1, 1, 1), layouts, 16, "bf16", "h100-sxm", time_unfit=False)
+    timed = evaluate_shape("llama-3-70b", Shape(1, 1, 1), layouts, BF16_16, H100)
+    untimed = evaluate_shape("llama-3-70b", Shape(1, 1, 1), layouts, BF16_16, H100, time_unfit=False)
     assert [row["fits"] for row in timed] == [False, True]
     assert timed[0]["peak_bytes"] > 70e9 * 16 and timed[0]["step_ms"] > 0
     assert untimed[0] == timed[0] | dict.fromkeys(STEP_FIGURES) and untimed[1] == timed[1]

@@ -27,6 +27,7 @@ from ..cost.gpu import memory_ns
 from ..dtypes import DTYPES
 from ..memo import Memo
 from ..parallel.collectives import ALLGATHER, REDUCESCATTER, data_parallel_units, fsdp_comms, fsdp_units, zero_rows
+from ..parallel.execution import Execution
 from ..parallel.facts import ModelFacts
 from ..parallel.layout import Parallel, virtual_stage_layers
 from ..parallel.memory import ADAM_BYTES_PER_PARAMETER, fp8_weight_elements
@@ -167,13 +168,15 @@ class ClusterStep:
                 "devices": [vars(d) for d in self.devices]}
 
 
-def cluster_step(facts: ModelFacts, workload: Workload, model_workload: Workload, p: Parallel, micro_batch: int,
-                 seq: int, dtype: str, grad_dtype: str, device: DeviceProfile, alike: bool = False) -> ClusterStep:
-    """``workload``: the step as it runs (recomputation applied); ``model_workload``: as captured,
-    for the model's FLOPs. ``alike``: devices whose chunks hold layers of the same kinds in the same
-    order share one device's units (_alike_devices; a layout search's figures: the step's units then
+def cluster_step(facts: ModelFacts, workload: Workload, model_workload: Workload, execution: Execution,
+                 device: DeviceProfile, alike: bool = False) -> ClusterStep:
+    """The step of every rank of ``execution``'s layout on ``device`` (its network and memory tiers).
+    ``workload``: one micro-batch's step as it runs (recomputation applied); ``model_workload``: as
+    captured, for the model's FLOPs. ``alike``: devices whose chunks hold layers of the same kinds in the
+    same order share one device's units (_alike_devices; a layout search's figures: the step's units then
     name that device's layers)."""
-    p = replace(p, stage=0)
+    p = replace(execution.parallel, stage=0)
+    micro_batch, seq, dtype, grad_dtype = execution.batch, execution.seq_per_rank, execution.dtype, execution.gradients
     standing_for = _alike_devices(facts, workload, model_workload, p) if alike else range(p.pp)
     forward, backward, comm, flops, layouts, unit_backward = [], [], [], [], [], []
     for d in range(p.pp):

@@ -17,6 +17,7 @@ from ..workload.stacks import STACKS
 from ..workload.table import Workload
 from .collectives import add_model_parallel, data_parallel_units, stage_units
 from .context_parallel import kv_bytes
+from .execution import Execution
 from .facts import ModelFacts
 from .layout import Parallel, virtual_stage_layers
 from .recompute import recomputed_layers
@@ -36,9 +37,11 @@ class RankWorkload:
         return [layer for chunk in self.chunk_layers for layer in chunk]
 
 
-def rank_workload(facts: ModelFacts, workload: Workload, parallel: Parallel, micro_batch: int, seq: int,
-                  dtype: str, grad_dtype: str) -> RankWorkload:
-    """``workload`` is the rank's per-node table (captured from the tensor/expert-sharded model)."""
+def rank_workload(facts: ModelFacts, workload: Workload, execution: Execution) -> RankWorkload:
+    """The units and collectives of ``execution``'s rank (its layout's ``stage``); ``workload`` is the rank's
+    per-node table (captured from the tensor/expert-sharded model)."""
+    parallel, micro_batch, seq = execution.parallel, execution.batch, execution.seq_per_rank
+    dtype, grad_dtype = execution.dtype, execution.gradients
     chunks, units = device_chunks(facts, workload, parallel, parallel.stage, micro_batch, seq, dtype, grad_dtype)
     ranges = virtual_stage_layers(parallel, facts.layers)
     boundary = micro_batch * seq * facts.hidden * DTYPES[dtype].itemsize // (parallel.tp if parallel.sp else 1)

@@ -89,8 +89,8 @@ def test_the_ring_hides_what_the_attention_core_covers(tiny_dirs, link_bytes_per
                       parallel=Parallel(cp=2, micro_batches=3, cp_comm=comm))
         device = run.device if link_bytes_per_s is None else replace(
             run.device, intra_node_bytes_per_s=link_bytes_per_s, inter_node_bytes_per_s=link_bytes_per_s)
-        steps[comm] = cluster_step(run.facts, run.workload, run.model_workload, run.rank.parallel, 1,
-                                   run.settings["seq_per_rank"], "bf16", "bf16", device)
+        steps[comm] = cluster_step(run.facts, run.workload, run.model_workload,
+                                   replace(run.execution, parallel=run.rank.parallel), device)
     cores_ns = sum(op.estimated_ns for op in run.workload.ops() if op.sdpa_backend)
     saved = steps["allgather"].step_ns - steps["p2p"].step_ns
     if link_bytes_per_s is None:
