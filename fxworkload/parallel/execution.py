@@ -7,7 +7,7 @@ the device profile, its memory tiers and network) is ``cost.system.System``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields
 
 from ..capture.sdpa_backends import check_attention
 from ..errors import UserError
@@ -63,8 +63,3 @@ class Execution:
 
 
 FIELDS = frozenset(f.name for f in fields(Execution))
-
-
-def with_fields(execution: Execution | None, **values) -> Execution:
-    """``execution`` (the defaults where None) with the fields named replaced."""
-    return replace(execution or Execution(), **values)
