@@ -118,30 +118,36 @@ class TorchtitanRun(NamedTuple):
     memory_gib: float | None  # published peak memory (torch.cuda.max_memory_reserved), GiB; None: not published
 
 
+# How torchtitan compiled: each decoder block alone (apply_compile), the embedding, final norm and output projection
+# eager; the loss eager in 2024 (before 2024-10-22 its .float() sat in the model's head; from 2024-12-18, train.py:
+# "compiling loss function causes CUDA errors") and compiled on its own from 2025-04-02 (bbb1b616e): its 2024 rows
+# run --stack compiled-blocks, its 2025-06 rows --stack compiled (blocks and loss compiled, the head's norm and
+# projection fused as the whole model's would be).
 TORCHTITAN = {
     "torchtitan 8B FSDP": TorchtitanRun("llama-3-8b", 8, 1, 2, 8192, "op", "eager", None, False, 5762, 82.4),
-    "torchtitan 8B FSDP compile": TorchtitanRun("llama-3-8b", 8, 1, 2, 8192, "op", "compiled", None, False, 6667, 77.0),
-    "torchtitan 8B FSDP compile Float8": TorchtitanRun("llama-3-8b", 8, 1, 2, 8192, "op", "compiled", "torchao", False,
-                                                       8532, 76.8),
+    "torchtitan 8B FSDP compile": TorchtitanRun("llama-3-8b", 8, 1, 2, 8192, "op", "compiled-blocks", None, False,
+                                                6667, 77.0),
+    "torchtitan 8B FSDP compile Float8": TorchtitanRun("llama-3-8b", 8, 1, 2, 8192, "op", "compiled-blocks", "torchao",
+                                                       False, 8532, 76.8),
     # its docs/performance.md as commit 904913f7 (2024-08-21) added it: Llama 3.1 405B on 128 of the same 95 GB
     # lower-TDP H100s, local batch 2, full recomputation, FSDP 16 x TP 8 ("Optimizations: None", Float8, + AsyncTP).
     # Its config compiled the blocks; "None" is read as no compile either (compiled, ours reads 130 tok/s, +19 %).
     "torchtitan 405B FSDP+TP": TorchtitanRun("405b", 16, 8, 2, 8192, "full", "eager", None, False, 109, None),
-    "torchtitan 405B FSDP+TP Float8": TorchtitanRun("405b", 16, 8, 2, 8192, "full", "compiled", "torchao", False, 177,
-                                                    None),
-    "torchtitan 405B FSDP+TP Float8 AsyncTP": TorchtitanRun("405b", 16, 8, 2, 8192, "full", "compiled", "torchao", True,
-                                                            185, None),
+    "torchtitan 405B FSDP+TP Float8": TorchtitanRun("405b", 16, 8, 2, 8192, "full", "compiled-blocks", "torchao", False,
+                                                    177, None),
+    "torchtitan 405B FSDP+TP Float8 AsyncTP": TorchtitanRun("405b", 16, 8, 2, 8192, "full", "compiled-blocks",
+                                                            "torchao", True, 185, None),
     # benchmarks/llama3_h100_202412_torchtitan.md again: its Table 4 (Llama 3.1 70B, 256 GPUs, local batch 16, full
     # AC, compile, Float8): 2D, then 2D + AsyncTP
-    "torchtitan 70B FSDP+TP Float8": TorchtitanRun("llama-3-70b", 32, 8, 16, 8192, "full", "compiled", "torchao", False,
-                                                   829, 71.9),
-    "torchtitan 70B FSDP+TP Float8 AsyncTP": TorchtitanRun("llama-3-70b", 32, 8, 16, 8192, "full", "compiled",
+    "torchtitan 70B FSDP+TP Float8": TorchtitanRun("llama-3-70b", 32, 8, 16, 8192, "full", "compiled-blocks", "torchao",
+                                                   False, 829, 71.9),
+    "torchtitan 70B FSDP+TP Float8 AsyncTP": TorchtitanRun("llama-3-70b", 32, 8, 16, 8192, "full", "compiled-blocks",
                                                            "torchao", True, 876, 67.6),
     # its Table 3 (Llama 3.1 8B, 128 GPUs over 16 nodes, local batch 2, selective op recomputation)
     "torchtitan 8B FSDP 128 GPUs": TorchtitanRun("llama-3-8b", 128, 1, 2, 8192, "op", "eager", None, False, 5605, 67.0),
-    "torchtitan 8B FSDP compile 128 GPUs": TorchtitanRun("llama-3-8b", 128, 1, 2, 8192, "op", "compiled", None, False,
-                                                         6514, 62.0),
-    "torchtitan 8B FSDP compile Float8 128 GPUs": TorchtitanRun("llama-3-8b", 128, 1, 2, 8192, "op", "compiled",
+    "torchtitan 8B FSDP compile 128 GPUs": TorchtitanRun("llama-3-8b", 128, 1, 2, 8192, "op", "compiled-blocks", None,
+                                                         False, 6514, 62.0),
+    "torchtitan 8B FSDP compile Float8 128 GPUs": TorchtitanRun("llama-3-8b", 128, 1, 2, 8192, "op", "compiled-blocks",
                                                                 "torchao", False, 8380, 61.8),
     # its benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md (the same Grand Teton H100s at 500 W; torch of
     # 2025-06-14; the markdown table of commit 8b6770a1): AsyncTP against vanilla TP, torch.compile, seq 8,192 (the
@@ -178,6 +184,7 @@ ASYNC_TP_PAIRS = (("torchtitan 405B FSDP+TP Float8", "torchtitan 405B FSDP+TP Fl
                   ("torchtitan 2025-06 8B TP Float8", "torchtitan 2025-06 8B AsyncTP Float8"))
 # its Table 2 (Llama 3.1 8B, 8 GPUs, FSDP + CP, compile + Float8, local batch 1, full recomputation; torchtitan's
 # context parallelism rotates keys and values by all-gather, its default): name -> (fsdp, cp, seq, tok/s, GiB)
+CP_STACK = "compiled-blocks"  # torchtitan of 2024-12-26 (9dec370), as TORCHTITAN's 2024 rows
 TORCHTITAN_CP = {"torchtitan 8B CP1 32k": (8, 1, 32768, 3890, 83.9), "torchtitan 8B CP2 64k": (4, 2, 65536, 2540, 84.2),
                  "torchtitan 8B CP4 128k": (2, 4, 131072, 1071, 84.0), "torchtitan 8B CP8 256k": (1, 8, 262144, 548, 84.5)}
 # An optimizer-offload ablation: NVIDIA-NeMo/RL pull request 3628 (Megatron-Core's HybridDeviceOptimizer, one
@@ -321,11 +328,11 @@ def torchtitan_cp_row(name: str, root: Path) -> list:
     fsdp, cp, seq, published, published_gib = TORCHTITAN_CP[name]
     parallel = Parallel(dp=fsdp, cp=cp, cp_comm="allgather", zero=3, recompute="full")
     run = extract(str(folder), batch=1, seq=seq, dtype="bf16", grad_dtype="fp32", device="h100-sxm-96gb",
-                  stack="compiled", fp8=True, fp8_recipe="torchao", parallel=parallel,
+                  stack=CP_STACK, fp8=True, fp8_recipe="torchao", parallel=parallel,
                   sdpa_backends=TORCHTITAN_CP_SDPA if cp > 1 else TORCHTITAN_SDPA)
     ours = run.cluster.tokens_per_s_per_gpu
     memory = run.memory.reserved_peak_bytes / 2 ** 30
-    return [name, f"fsdp{fsdp} cp{cp}", fsdp * cp, f"compiled, Float8 (torchao), recompute full, seq {seq:,}; "
+    return [name, f"fsdp{fsdp} cp{cp}", fsdp * cp, f"{CP_STACK}, Float8 (torchao), recompute full, seq {seq:,}; "
             f"{memory:.1f} GiB vs {published_gib} ({100 * (memory / published_gib - 1):+.1f}%)", f"{published} tok/s",
             f"{ours:.0f} tok/s", f"{100 * (ours / published - 1):+.2f}%"]
 

@@ -377,7 +377,7 @@ def _capture(model, execution: Execution, gpu, every_layer, say):
         say(f"capturing one training step (batch {batch}, seq {seq}), every layer...")
     module = prepare(models.build_meta_model(spec, DTYPES[dtype]))
     capture = capture_training_step(module, batch, seq, gpu=gpu)
-    return build(capture, module, None, DTYPES[execution.gradients], stack), seq, facts
+    return build(capture, module, None, DTYPES[execution.gradients], stack, facts.stack), seq, facts
 
 
 # A layout search captures many rank shapes of one model in a process: its whole meta model is built once,

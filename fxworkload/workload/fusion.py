@@ -78,9 +78,13 @@ def is_random(node: torch.fx.Node) -> bool:
     return node.op == "call_function" and flop_rules.op_name(node.target).rstrip("_") in RANDOM
 
 
-def regions(capture: Capture) -> Regions:
+def regions(capture: Capture, scope: dict | None = None) -> Regions:
+    """The fused kernels of ``capture``'s step; ``scope``: node -> the compiled graph it lies in (a block
+    compiled alone: no kernel fuses ops of two), None: one graph of every node; a node outside it runs as a
+    kernel of its own."""
     nodes = [n for n in capture.graph.nodes if n.op in ("placeholder", "get_attr", "call_function")]
-    is_fusible = {n: fusible(n) for n in nodes}
+    is_fusible = {n: fusible(n) and (scope is None or n in scope) for n in nodes}
+    unit = scope or {}
     level: dict[torch.fx.Node, int] = {}
     for node in nodes:
         level[node] = max((level.get(i, 0) + (0 if is_fusible.get(i) else 1) for i in node.all_input_nodes), default=0)
@@ -94,7 +98,8 @@ def regions(capture: Capture) -> Regions:
 
     for node in parent:
         for source in node.all_input_nodes:
-            if source in parent and level[source] == level[node] and capture.phase.get(source) == capture.phase.get(node):
+            same_kernel = level[source] == level[node] and capture.phase.get(source) == capture.phase.get(node)
+            if source in parent and same_kernel and unit.get(source) == unit.get(node):
                 parent[root(node)] = root(source)
     groups: dict[torch.fx.Node, list[torch.fx.Node]] = {}
     for node in parent:  # graph order

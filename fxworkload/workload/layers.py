@@ -53,7 +53,7 @@ def fast_workload(spec, stack: str, batch: int, seq: int, dtype: torch.dtype,
     from ..capture.models import setting  # transformers: only when capturing
 
     layers = setting(spec.config, "num_hidden_layers", 0)
-    shorts = [_short_workload(spec, n, batch, seq, dtype, grad_dtype, gpu, prepare, execution_stack)
+    shorts = [_short_workload(spec, n, batch, seq, dtype, grad_dtype, gpu, prepare, execution_stack, stack)
               for n in SHORT_LAYERS]
     tables = [_split(short.rows, stack, n) for short, n in zip(shorts, SHORT_LAYERS)]
     if any(table is None for table in tables) or not _consistent(tables, stack):
@@ -77,14 +77,15 @@ def _extrapolated(shorts: list[Workload], figure: str, layers: int) -> int:
     return low + (layers - SHORT_LAYERS[0]) * (high - low)
 
 
-def _short_workload(spec, layers, batch, seq, dtype, grad_dtype, gpu, prepare, execution_stack) -> Workload:
+def _short_workload(spec, layers, batch, seq, dtype, grad_dtype, gpu, prepare, execution_stack,
+                    layers_path: str) -> Workload:
     from ..capture import models  # transformers: only when capturing
 
     short_spec = models.ModelSpec(name=spec.name, config=_short_config(spec.config, layers), task=spec.task,
                                   folder=spec.folder)
     short_model = prepare(models.build_meta_model(short_spec, dtype))
     capture = capture_training_step(short_model, batch, seq, gpu=gpu)
-    return build(capture, short_model, None, grad_dtype, execution_stack)
+    return build(capture, short_model, None, grad_dtype, execution_stack, layers_path)
 
 
 def _consistent(tables, stack: str) -> bool:

@@ -189,6 +189,7 @@ class SavePolicy:
     saved: frozenset[torch.fx.Node] | None = None
     recomputed: frozenset[torch.fx.Node] = frozenset()
     saved_keys: frozenset = frozenset()  # the storages of ``saved``
+    scope: frozenset[torch.fx.Node] | None = None  # where ``saved`` rules (a compiled region); None: everywhere
 
     def bound(self, saved_keys) -> SavePolicy:
         return replace(self, saved_keys=frozenset(saved_keys))
@@ -202,7 +203,8 @@ class SavePolicy:
     def kept(self, key, value: torch.fx.Node, maker: torch.fx.Node, reader: torch.fx.Node | None) -> bool:
         if maker in self.recomputed and reader in self.recomputed:  # re-made for its own backward only
             return False
-        if self.saved is not None and self.regions.phase.get(value) == FORWARD:
+        if (self.saved is not None and self.regions.phase.get(value) == FORWARD
+                and (self.scope is None or value in self.scope)):
             return key in self.saved_keys
         return self.allocated(key, value)
 

@@ -9,20 +9,27 @@ backward. Each stack's choices are data here, with the source they follow.
   backward re-makes the chain's internal values from the chain's kept inputs (Megatron-LM
   megatron/core/fusions/fused_bias_gelu.py keeps the GEMM output, not GeLU's intermediates), and
   dropout masks are kept (1 byte per element, as Korthikanti et al. 2022 count them).
-- ``compiled``: ``torch.compile`` (AOTAutograd + inductor): what is kept is what AOTAutograd's
+- ``compiled``: ``torch.compile`` (AOTAutograd + inductor) on the whole model and its loss (HF Trainer's
+  ``torch_compile``, whose loss the model's forward computes): what is kept is what AOTAutograd's
   ``min_cut_rematerialization_partition`` chooses on the step's joint graph; inductor fuses the
   same pointwise chains (and re-makes the rest inside backward's fused kernels), and pads GEMMs
   whose sizes are not multiples of 16 bytes to ones that are, where that is faster (its pad_mm
   pass: GPT-2's 50,257-word vocabulary runs the Hopper kernels instead of the align1 fallback).
+- ``compiled-blocks``: ``torch.compile`` on each decoder block alone, as torchtitan compiles
+  (``apply_compile``: ``torch.compile(transformer_block, fullgraph=True)`` per block), the rest eager: the
+  embedding, the final norm, the output projection and the loss run as PyTorch eager runs them, one kernel
+  an op, autograd keeping what their derivatives read (torchtitan's loss ran eager before 2024-10-22 and
+  from 2024-12-18, ``train.py``: "compiling loss function causes CUDA errors", until 2025-04-02, bbb1b616e,
+  from which it compiles the loss on its own).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..errors import UserError
 
-STACK_NAMES = ("eager", "fused", "compiled")
+STACK_NAMES = ("eager", "fused", "compiled", "compiled-blocks")
 
 
 @dataclass(frozen=True)
@@ -44,6 +51,9 @@ class Stack:
     # under tensor parallelism, the loss over the vocabulary shard (parallel/loss_parallel.py): "loss-parallel",
     # torch's decomposition (torchtitan's default); "megatron": Megatron-LM's in-place vocab-parallel cross entropy
     vocab_parallel_loss: str = "loss-parallel"
+    # which ops the stack's fusion, GEMM padding and saved set apply to: "all", or "layers": the decoder layers'
+    # ops only, the rest run as eager runs them
+    scope: str = "all"
 
 
 STACKS = {
@@ -55,6 +65,10 @@ STACKS = {
                       "GEMM padding (torch/_inductor/fx_passes/pad_mm.py)", pads_gemms=True,
                       tp_overlap="symmetric-memory", generates_kernels=True, ring_merges="fused"),
 }
+STACKS["compiled-blocks"] = replace(
+    STACKS["compiled"], name="compiled-blocks", scope="layers",
+    source="torch.compile per decoder block (torchtitan's apply_compile), as compiled; the embedding, head and loss "
+           "eager (torchtitan train.py, 2024-12-18 to 2025-04-02)")
 
 
 def check_stack(name: str) -> Stack:

@@ -205,17 +205,21 @@ def kernel_family(op: OpCost) -> str:
 
 
 def build(capture: Capture, model: torch.nn.Module, device: DeviceProfile | None, grad_dtype: torch.dtype,
-          stack: str = "eager") -> Workload:
+          stack: str = "eager", layers_path: str | None = None) -> Workload:
     """The table of one captured step as ``stack`` runs it (workload/stacks.py); with no device, every
-    estimated time is 0 (rows and sizes only)."""
+    estimated time is 0 (rows and sizes only). ``layers_path``: the ModuleList of the decoder layers
+    (ModelFacts.stack), which a stack compiling each block alone compiles."""
     costs = {node: cost_of(node, phase, device) for node, phase in capture.phase.items()}
+    scope = compiled_scope(capture, layers_path) if STACKS[stack].scope == "layers" else None
     if STACKS[stack].pads_gemms:
-        costs = {node: timed(replace(cost, gemm_padded=True), device) if cost.gemm_leading is not None else cost
+        costs = {node: timed(replace(cost, gemm_padded=True), device)
+                 if cost.gemm_leading is not None and (scope is None or node in scope) else cost
                  for node, cost in costs.items()}
     keep = None
     if STACKS[stack].fuses_pointwise:
-        found = regions(capture)
-        keep = SavePolicy(found, partitioner_saved(capture) if STACKS[stack].keeps == "partitioner" else None)
+        found = regions(capture, scope)
+        keep = SavePolicy(found, partitioner_saved(capture) if STACKS[stack].keeps == "partitioner" else None,
+                          scope=None if scope is None else frozenset(scope))
         costs = _fused_costs(costs, found, device, STACKS[stack].generates_kernels)
     forward_nodes = [n for n, phase in capture.phase.items() if phase == FORWARD]
     main_ops = _main_ops(forward_nodes, capture.module, costs, model)
@@ -241,6 +245,16 @@ def build(capture: Capture, model: torch.nn.Module, device: DeviceProfile | None
     return Workload.of_rows(table, grad_dtype, step_peak_bytes=memory.step_peak_bytes,
                             activation_peak_bytes=memory.activation_peak_bytes, stack=stack,
                             reserved_slack_bytes=memory.reserved_peak_bytes - memory.allocated_peak_bytes)
+
+
+def compiled_scope(capture: Capture, layers_path: str | None) -> dict[torch.fx.Node, str]:
+    """Each node of the decoder layers under ``layers_path``, forward and backward (a backward node is its
+    forward owner's), with its layer's path: what a compiler that compiles each block alone sees, one graph
+    a layer."""
+    prefix = f"{layers_path}." if layers_path else None
+    inside = {node: prefix + module[len(prefix):].split(".", 1)[0] for node, module in capture.module.items()
+              if prefix and module.startswith(prefix)}
+    return inside | {node: inside[owner] for node, owner in capture.owner.items() if owner in inside}
 
 
 def _fused_costs(costs: dict, found: Regions, device: DeviceProfile | None, generated: bool = False) -> dict:
