@@ -224,12 +224,11 @@ def extract(model: str, execution: Execution | None = None, system: System | Non
     traced_on = "cpu" if gpu is None else f"{platform} sdpa {'>'.join(gpu.priority)}"
     say = print_progress if progress else (lambda text: None)
 
-    seq = execution.seq
     if parallel.cp > 1:  # each rank is captured on its own tokens (context_parallel.py)
-        if seq is None:
+        if execution.seq is None:
             raise UserError(f"--cp {parallel.cp} splits the sequence: give its length with --seq")
-        check_sequence(parallel, seq)
-        seq //= parallel.cp
+        check_sequence(parallel, execution.seq)
+    seq = None if execution.seq is None else execution.seq_per_rank  # the capture's, and its cache key's
     start = time.perf_counter()
     located_name, config_path, _ = locate(model)
     name = located_name if name is None else name
@@ -261,7 +260,8 @@ def extract(model: str, execution: Execution | None = None, system: System | Non
     if not rank_view:
         return CostedStep(facts=facts, workload=captured, device=profile, execution=execution)
     captured_saved_bytes = workload.saved_bytes
-    layer_input_bytes = execution.batch * seq * facts.hidden * DTYPES[dtype].itemsize // (parallel.tp if parallel.sp else 1)
+    layer_input_bytes = (execution.batch * execution.seq_per_rank * facts.hidden * DTYPES[dtype].itemsize
+                         // (parallel.tp if parallel.sp else 1))
     workload, regenerated_bytes = with_recompute(workload, parallel, facts.stack, facts.layers, layer_input_bytes)
     settings = _settings(facts, execution, system, profile, traced_on, size_unit)
     rank = rank_workload(facts, workload, execution)
