@@ -58,6 +58,8 @@ LAYOUTS = {
     "gpt2-mb8": ("gpt2", 1024, 4, "bf16", Parallel(tp=2, pp=2, dp=2, micro_batches=8, vocab_multiple=128)),
     "gpt2-vpp2": ("gpt2", 1024, 4, "bf16", Parallel(tp=2, pp=2, dp=2, vpp=2, micro_batches=8, vocab_multiple=128)),
     "gpt2-zero3": ("gpt2", 1024, 4, "bf16", Parallel(dp=8, micro_batches=2, zero=3)),
+    # FSDP2 without gradient sync until the last micro-batch: one reduce-scatter a unit a step, the sums as compute
+    "gpt2-zero3-summed": ("gpt2", 1024, 4, "bf16", Parallel(dp=8, micro_batches=4, zero=3, accumulate_unsharded=True)),
     "llama-8b-full": ("llama-3-8b", 4096, 1, "bf16", Parallel(tp=2, pp=2, dp=2, sp=True, micro_batches=8, zero=1,
                                                             recompute="full")),
     "llama-8b-tp8": ("llama-3-8b", 8192, 1, "bf16", Parallel(tp=8, sp=True, micro_batches=4)),

@@ -265,6 +265,12 @@ def _add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--keep-gathered", action="store_true",
                        help="with --zero 3: keep each unit's gathered parameters from forward to backward (FSDP2's "
                             "reshard_after_forward=False; default: free them and gather again, as FSDP and ZeRO-3 do)")
+    group.add_argument("--accumulate-unsharded", action="store_true",
+                       help="with --zero 3: every micro-batch but the last keeps its gradients unsharded, summed "
+                            "across micro-batches, and reduce-scatters nothing; the last reduce-scatters the sum "
+                            "(FSDP2's set_requires_gradient_sync(False) on all but the last micro-batch, as "
+                            "Accelerate's no_sync and torch's pipelining schedules run it; default: every micro-batch "
+                            "reduce-scatters its own, FSDP2's default)")
     group.add_argument("--fp8-param-gather", action="store_true",
                        help="with --fp8 and --zero 1-3: ZeRO's parameter all-gathers move the FP8 linear weights in "
                             "FP8, one byte each (Megatron-LM's --fp8-param-gather, which under ZeRO 1/2 also keeps "
@@ -306,7 +312,7 @@ def _parallel(args):
                     zero=args.zero, bucket_mb=args.bucket_mb, pp_layers=pp_layers, stage=args.stage,
                     vocab_multiple=args.vocab_multiple, recompute=args.recompute,
                     recompute_layers=args.recompute_layers, vpp=args.vpp,
-                    reshard_after_forward=not args.keep_gathered,
+                    reshard_after_forward=not args.keep_gathered, accumulate_unsharded=args.accumulate_unsharded,
                     overlap_grad_reduce=not args.grad_reduce_after_backward,
                     overlap_param_gather=args.overlap_param_gather, tp_comm_overlap=args.tp_comm_overlap,
                     fp8_param_gather=args.fp8_param_gather, optimizer_offload=args.optimizer_offload,

@@ -26,7 +26,8 @@ from ..cost.devices import DeviceProfile
 from ..cost.gpu import memory_ns
 from ..dtypes import DTYPES
 from ..memo import Memo
-from ..parallel.collectives import ALLGATHER, REDUCESCATTER, data_parallel_units, fsdp_comms, fsdp_units, zero_rows
+from ..parallel.collectives import (ALLGATHER, EVERY, NONE, REDUCESCATTER, data_parallel_units, fsdp_comms, fsdp_units,
+                                    micro_batch_kinds, micro_batch_scatters, zero_rows)
 from ..parallel.execution import Execution
 from ..parallel.facts import ModelFacts
 from ..parallel.layout import Parallel, virtual_stage_layers
@@ -194,17 +195,26 @@ def cluster_step(facts: ModelFacts, workload: Workload, model_workload: Workload
         itemsizes = DTYPES[dtype].itemsize, DTYPES[grad_dtype].itemsize, (
             workload.fp8_modules if p.fp8_param_gather else frozenset())
         share = compute_share_lost(device.sm_count)
+        kinds = micro_batch_kinds(p)  # --accumulate-unsharded: the first, middle and last backwards differ
         for d in range(p.pp):
-            groups = [(_zero3_groups(c, FORWARD, p, device, *itemsizes), _zero3_groups(c, INPUT_GRAD, p, device, *itemsizes))
-                      for c in layouts[d][0]]
-            timelines_f = [simulate_pass(f, share) for f, _ in groups]
-            timelines_b = [simulate_pass(b, share) for _, b in groups]
+            chunks = layouts[d][0]
+            groups_f = [_zero3_groups(c, FORWARD, p, device, *itemsizes) for c in chunks]
+            groups_b = {kind: [_zero3_groups(c, INPUT_GRAD, p, device, *itemsizes, kind=kind) for c in chunks]
+                        for kind, _ in kinds}
+            timelines_f = [simulate_pass(f, share) for f in groups_f]
+            timelines_b = {kind: [simulate_pass(b, share) for b in groups] for kind, groups in groups_b.items()}
             forward[d] = [t.duration_ns for t in timelines_f]
-            backward[d] = [t.duration_ns for t in timelines_b]
-            zero3[d] = tuple(sum(g.gather_ns for g in groups[0][k]) for k in (0, 1))
-            zero3_exposed[d] = p.micro_batches * sum(t.exposed_gather_ns for t in timelines_f + timelines_b)
-            zero3_copies[d] = p.micro_batches * sum(t.copy_ns for t in timelines_f + timelines_b)
-            zero3_trailing[d] = timelines_b[0].trailing_ns  # the step's last backward is chunk 0's
+            # the schedule takes one backward per chunk: their mean over the step's micro-batches (exact without
+            # a pipeline, where the passes run one after another)
+            backward[d] = [sum(n * timelines_b[kind][c].duration_ns for kind, n in kinds) / p.micro_batches
+                           for c in range(len(chunks))]
+            last = kinds[-1][0]  # the step's last backward
+            zero3[d] = (sum(g.gather_ns for g in groups_f[0]), sum(g.gather_ns for g in groups_b[last][0]))
+            zero3_exposed[d] = p.micro_batches * sum(t.exposed_gather_ns for t in timelines_f) + sum(
+                n * t.exposed_gather_ns for kind, n in kinds for t in timelines_b[kind])
+            zero3_copies[d] = p.micro_batches * sum(t.copy_ns for t in timelines_f) + sum(
+                n * t.copy_ns for kind, n in kinds for t in timelines_b[kind])
+            zero3_trailing[d] = timelines_b[last][0].trailing_ns  # the step's last backward is chunk 0's
     offloaded = None  # --activation-offload-layers (pp 1, one chunk): the copies' timeline beside each micro-batch
     if p.activation_offload_layers:
         offload_layers, offloaded = activation_offload_pass(layouts[0][0][0], p, device)
@@ -559,18 +569,19 @@ _ZERO3 = Memo(4096)
 
 
 def _zero3_groups(units: list[Unit], phase: str, p: Parallel, device: DeviceProfile, param_itemsize: int,
-                  grad_itemsize: int, fp8_modules: frozenset = frozenset()) -> list[Group]:
+                  grad_itemsize: int, fp8_modules: frozenset = frozenset(), kind: str = EVERY) -> list[Group]:
     """A chunk's FSDP units (decoder layers; the embedding and the head each one) in the order the pass
     runs them: compute with its blocking collectives, parameter gather, gradient reduce-scatter (the same
-    chunk's groups computed once per group shape in a layout search)."""
+    chunk's groups computed once per group shape in a layout search); ``kind``: which of the step's backwards
+    (collectives.micro_batch_kind)."""
     key = (id(units), phase, p.replicas, p.dp // p.ep, p.ep, p.tp, p.cp, p.cp_comm, p.sp, p.reshard_after_forward,
-           param_itemsize, grad_itemsize, fp8_modules, id(device))
+           param_itemsize, grad_itemsize, fp8_modules, id(device), kind)
     return _ZERO3.get(key, (units, device), lambda: _zero3_groups_of(units, phase, p, device, param_itemsize,
-                                                                     grad_itemsize, fp8_modules))
+                                                                     grad_itemsize, fp8_modules, kind))
 
 
 def _zero3_groups_of(units: list[Unit], phase: str, p: Parallel, device: DeviceProfile, param_itemsize: int,
-                     grad_itemsize: int, fp8_modules: frozenset) -> list[Group]:
+                     grad_itemsize: int, fp8_modules: frozenset, kind: str) -> list[Group]:
     groups = []
     for members in fsdp_units(units):  # the same units and collectives as the rank's ZeRO 3 rows (collectives.py)
         phases = (FORWARD,) if phase == FORWARD else (INPUT_GRAD, WEIGHT_GRAD)
@@ -579,10 +590,10 @@ def _zero3_groups_of(units: list[Unit], phase: str, p: Parallel, device: DeviceP
         gathers, scatters = fsdp_comms(members, p, param_itemsize, grad_itemsize, fp8_modules)
         gathered = phase == FORWARD or p.reshard_after_forward  # reshard_after_forward=False: the forward's stay
         gather = sum(comm_ns(c, p, device) for c in gathers) if gathered else 0.0
-        scatter = 0.0 if phase == FORWARD else sum(comm_ns(c, p, device) for c in scatters)
+        scatters = [] if phase == FORWARD else [x for c in scatters for x in micro_batch_scatters(c, kind)]
+        scatter = sum(comm_ns(c, p, device) for c in scatters if c.type != NONE)
         groups.append(Group(compute_ns=compute, gather_ns=gather, reduce_scatter_ns=scatter,
-                            copy_ns=copy_kernels_ns((gathers if gathered else []) + (scatters if phase != FORWARD else []),
-                                                    device)))
+                            copy_ns=copy_kernels_ns((gathers if gathered else []) + scatters, device)))
     return groups if phase == FORWARD else groups[::-1]
 
 

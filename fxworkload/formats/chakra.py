@@ -39,7 +39,7 @@ import json
 
 from ..capture.trace import FORWARD, INPUT_GRAD, WEIGHT_GRAD
 from ..errors import UserError
-from ..parallel.collectives import ALLGATHER, gathered_for
+from ..parallel.collectives import ALLGATHER, NONE, gathered_for, micro_batch_kind, micro_batch_scatters
 
 MAX_RANKS = 1024  # one file per rank: past this the folder is larger than any simulator run wants
 COMM_TYPES = {"ALLREDUCE": "ALL_REDUCE", "ALLGATHER": "ALL_GATHER", "REDUCESCATTER": "REDUCE_SCATTER",
@@ -226,9 +226,10 @@ def _rank_nodes(pb, cluster, rank: int, groups: dict) -> list:
                     b.chain(f"mb{mb} {unit.name} waits for activation copies", pb.COMP_NODE, duration_ns=wait,
                             num_ops=0, tensor_size=0)
                 _unit_nodes(b, pb, unit, forward, mb, p, cluster, completes)
-            if not forward:
+            if not forward:  # --accumulate-unsharded: only the last micro-batch reduce-scatters (the sum)
+                scatters = [x for c in scatters for x in micro_batch_scatters(c, micro_batch_kind(p, mb))]
                 _copy_node(b, pb, f"mb{mb} {members[0].name} FSDP2 copy-in", scatters, cluster)
-                for c in scatters:
+                for c in (c for c in scatters if c.type != NONE):
                     issue(mb, c, members[0], list(b.last))
         target = virtual + 1 if forward else virtual - 1
         if 0 <= target <= last_virtual and not (forward and virtual == last_virtual):

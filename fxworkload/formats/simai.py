@@ -38,7 +38,7 @@ from pathlib import Path
 from ..capture.trace import PHASES
 from ..cluster.schedule import FORWARD as FORWARD_PASS, device_order
 from ..errors import UserError
-from ..parallel.collectives import gathered_for
+from ..parallel.collectives import EVERY, REDUCESCATTER, gathered_for, micro_batch_kind, micro_batch_scatters
 from ..parallel.rank import RankWorkload
 from ..parallel.units import EMBEDDING, Comm, Unit
 
@@ -123,13 +123,28 @@ def step_units(rank: RankWorkload) -> list[Unit]:
             pending = []
     with_dp[-1] += pending
     out, seen = [], set()
-    for kind, chunk, _ in device_order(p.pp, p.vpp, p.micro_batches, p.stage):
+    for kind, chunk, micro_batch in device_order(p.pp, p.vpp, p.micro_batches, p.stage):
         if kind != FORWARD_PASS:
             continue
         first = chunk not in seen
         seen.add(chunk)
-        out += [u for u in with_dp[chunk] if first or u.block != "dp" or p.zero == 3]
+        for unit in with_dp[chunk]:
+            if unit.block != "dp" or p.zero == 3:
+                out += _micro_batch_rows(unit, micro_batch_kind(p, micro_batch)) if p.zero == 3 else [unit]
+            elif first:
+                out.append(unit)
     return out
+
+
+def _micro_batch_rows(unit: Unit, kind: str) -> list[Unit]:
+    """A ZeRO 3 gradient row as a micro-batch of ``kind`` runs it (--accumulate-unsharded,
+    collectives.micro_batch_scatters): where it reduce-scatters nothing, a row whose only work is its kernels
+    on the gradients (a NONE collective carrying their bytes, folded into compute as the copy-in is), or none."""
+    scatters = [c for c in unit.comms[PHASES[2]] if c.type == REDUCESCATTER] if unit.block == "dp" else []
+    if not scatters or kind == EVERY:
+        return [unit]
+    comms = [x for c in scatters for x in micro_batch_scatters(c, kind)]
+    return [replace(unit, comms={**unit.comms, PHASES[2]: comms})] if comms else []
 
 
 def _rows(unit: Unit, p, device, waits: dict | None = None) -> list[SimaiRow]:

@@ -240,7 +240,8 @@ def cluster_summary_text(cluster, fp8: bool = False) -> str:
               f"{exposed['dp'] / 1e6:.3f} / {(exposed['zero_gather'] + exposed['zero3_gather']) / 1e6:.3f}"],
              ["backward slowed by overlapped dp buckets ms (SMs held by NCCL)",
               f"{exposed.get('dp_bucket_slowdown', 0.0) / 1e6:.3f}"],
-             *([["ZeRO 3 copy kernels ms (FSDP2's copy-out after each gather, copy-in before each reduce-scatter)",
+             *([["ZeRO 3 copy kernels ms (FSDP2's copy-out after each gather, copy-in before each reduce-scatter"
+                 + (", the gradients' sums between micro-batches)" if cluster.parallel.accumulate_unsharded else ")"),
                  f"{exposed['zero3_copies'] / 1e6:.3f}"]] if exposed.get("zero3_copies") else []),
              *([["GPU waiting on the host's dispatch of eager ops ms (in the compute; --cuda-graphs removes it)",
                  f"{exposed['host'] / 1e6:.3f}"]] if exposed.get("host") else []),
@@ -283,6 +284,8 @@ def memory_summary_text(memory, device_name: str) -> str:
              ["optimizer states (Adam)", f"{memory.optimizer_bytes / gib:.3f}"],
              *([["gathered parameters kept forward to backward (--keep-gathered)",
                  f"{memory.gathered_parameters_bytes / gib:.3f}"]] if memory.gathered_parameters_bytes else []),
+             *([["gradients summed unsharded over micro-batches (--accumulate-unsharded)",
+                 f"{memory.accumulated_gradients_bytes / gib:.3f}"]] if memory.accumulated_gradients_bytes else []),
              [f"saved activations ({memory.micro_batches_in_flight} micro-batch"
               f"{'es' if memory.micro_batches_in_flight > 1 else ''} in flight)",
               f"{memory.activations_bytes / gib:.3f}"],

@@ -212,6 +212,51 @@ def fsdp_comms(members: list[Unit], p: Parallel, param_itemsize: int, grad_items
     return gathers, scatters
 
 
+# --accumulate-unsharded: what a ZeRO 3 micro-batch's backward does with its gradients (micro_batch_kind)
+EVERY, FIRST, MIDDLE, LAST = "every", "first", "middle", "last"
+NONE = "NONE"  # a kernel on the compute stream standing where a reduce-scatter would be, with no collective
+
+
+def micro_batch_kind(p: Parallel, micro_batch: int) -> str:
+    """Which of the step's backwards micro-batch ``micro_batch`` (0-based) is to ZeRO 3's gradients: every one
+    alike (each reduce-scatters its own), or under --accumulate-unsharded the first, a middle one or the last."""
+    if not (p.accumulate_unsharded and p.micro_batches > 1):
+        return EVERY
+    return FIRST if micro_batch == 0 else LAST if micro_batch == p.micro_batches - 1 else MIDDLE
+
+
+def micro_batch_kinds(p: Parallel) -> list[tuple[str, int]]:
+    """(kind, how many of the step's micro-batches are of it), for the kinds that occur."""
+    counts: dict[str, int] = {}
+    for micro_batch in range(p.micro_batches):
+        kind = micro_batch_kind(p, micro_batch)
+        counts[kind] = counts.get(kind, 0) + 1
+    return list(counts.items())
+
+
+def micro_batch_scatters(scatter: Comm, kind: str) -> list[Comm]:
+    """What one FSDP unit's gradient reduce-scatter (fsdp_comms: its buffer e·g bytes, its copy-in e·(p + g),
+    e elements of the reduce dtype's g bytes read from the parameters' p) becomes in a backward of ``kind``,
+    as FSDP2 runs a backward without gradient sync (torch/distributed/fsdp/_fully_shard: _fsdp_param_group.py
+    post_backward without reduce_grads; _fsdp_param.py to_accumulated_grad_if_needed and
+    accumulate_unsharded_grad_if_needed), each of its kernels a ``NONE`` Comm that only carries its bytes:
+    - the first: the unsharded gradient cast to the reduce dtype and kept (``.to(reduce_dtype)``: e·(p + g));
+      nothing where the two dtypes are one (the gradient stays in ``.grad``);
+    - a middle one: the new gradient added to the kept one (``+=``: the kept read and written, the new read,
+      e·(2g + p));
+    - the last: that add, then the reduce-scatter of the sum, whose copy-in reads it in the reduce dtype (2·e·g)."""
+    if kind == EVERY:
+        return [scatter]
+    added = replace(scatter, type=NONE, bytes=0, what="gradients accumulated unsharded",
+                    copy_bytes=scatter.bytes + scatter.copy_bytes)
+    if kind == FIRST:
+        return [replace(added, what="gradients kept unsharded", copy_bytes=scatter.copy_bytes)] \
+            if scatter.copy_casts else []
+    if kind == MIDDLE:
+        return [added]
+    return [added, replace(scatter, copy_bytes=2 * scatter.bytes, copy_casts=False)]
+
+
 def data_parallel_units(units: list[Unit], p: Parallel, grad_itemsize: int, param_itemsize: int,
                         fp8_modules: frozenset = frozenset()) -> list[Unit]:
     """The stage's units with its data-parallel rows inserted: a gradient bucket's row sits just before

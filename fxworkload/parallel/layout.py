@@ -28,6 +28,11 @@ class Parallel:
     recompute_layers: int | None = None  # recompute the first N layers of each stage; None = all
     vpp: int = 1  # virtual pipeline stages (model chunks) per device: Megatron's interleaved 1F1B schedule
     reshard_after_forward: bool = True  # ZeRO 3 / FSDP: free gathered parameters after forward (gather again in backward)
+    # ZeRO 3 with gradient accumulation: every micro-batch but the last accumulates its gradients unsharded and
+    # reduce-scatters nothing; the last reduce-scatters the sum (FSDP2's set_requires_gradient_sync(False) on all
+    # but the last micro-batch: Accelerate's no_sync, torch.distributed.pipelining's schedules); False: each
+    # micro-batch reduce-scatters its own (FSDP2's default)
+    accumulate_unsharded: bool = False
     # the gradients' data-parallel reduction overlaps backward, bucket by bucket (PyTorch DDP, FSDP; Megatron-LM's
     # --overlap-grad-reduce); False: it starts when the last backward ends (Megatron-LM's default, and its only
     # way before 2023)
@@ -110,6 +115,9 @@ def check_values(parallel: Parallel) -> None:
                         f"{MAX_BUCKET_MB:,} MiB, got {p.bucket_mb}")
     if not p.reshard_after_forward and p.zero != 3:
         raise UserError("--keep-gathered keeps ZeRO 3's gathered parameters: it needs --zero 3")
+    if p.accumulate_unsharded and p.zero != 3:
+        raise UserError("--accumulate-unsharded holds ZeRO 3's gradients unsharded between micro-batches: it needs "
+                        "--zero 3 (ZeRO 1/2 and plain data parallelism reduce once a step already)")
     if p.tp_comm_overlap and not (p.tp > 1 and p.sp):
         raise UserError("--tp-comm-overlap overlaps sequence parallelism's all-gathers and reduce-scatters with the "
                         "GEMMs beside them: it needs --tp 2 or more and --sp (Transformer Engine requires both)")

@@ -44,6 +44,9 @@ class RankMemory:
     micro_batches_in_flight: int
     capacity_bytes: int  # the device's memory; 0 where the profile has none (CPU)
     gathered_parameters_bytes: int = 0  # ZeRO 3 --keep-gathered: every unit's gathered parameters, forward to backward
+    # ZeRO 3 --accumulate-unsharded over micro-batches: every unit's unsharded gradients summed from the first
+    # micro-batch's backward to the last's reduce-scatter
+    accumulated_gradients_bytes: int = 0
     fp8_weights_bytes: int = 0  # --fp8: the FP8 copies of the rank's linear weights and their transposes (2 bytes each)
     host_bytes: int = 0  # --optimizer-offload: the offloaded share's host copy, moments and pinned gradients;
     # --activation-offload-layers: the offloaded layers' saved activations, pinned
@@ -83,6 +86,9 @@ def rank_memory(p: Parallel, rank_units: list, workload: Workload, dtype: str, g
     # FSDP2's reshard_after_forward=False: each unit's all-gathered parameters stay from its forward to its
     # backward, so at the end of the forward every unit's whole copy is held beside the shards
     gathered = (dense + expert) * DTYPES[dtype].itemsize if p.zero == 3 and not p.reshard_after_forward else 0
+    # --accumulate-unsharded: FSDP2 keeps each parameter's unsharded gradient, in the reduce dtype, between the
+    # micro-batches that do not reduce-scatter (collectives.micro_batch_scatters), beside the last one's activations
+    accumulated = (dense + expert) * grad_size if p.zero == 3 and p.accumulate_unsharded and p.micro_batches > 1 else 0
     activations = saved * in_flight_chunks // p.vpp
     # --activation-offload-layers (pp 1): the first N layers' saved tensors wait in host memory until backward
     offloaded = sum(u.saved() for u in rank_units if u.block != "dp" and u.layer is not None
@@ -102,11 +108,12 @@ def rank_memory(p: Parallel, rank_units: list, workload: Workload, dtype: str, g
     step_peak = workload.step_peak_bytes - dropped + regenerated_bytes if p.pp == 1 else (
         saved + transient + elements * grad_size)
     states, host = _offloaded(states, p.optimizer_offload, dtype, grad_size)
-    total = sum(states) + gathered + fp8_weights + activations + transient
+    total = sum(states) + gathered + accumulated + fp8_weights + activations + transient
     return RankMemory(parameters_bytes=states[0], gradients_bytes=states[1], optimizer_bytes=states[2],
                       activations_bytes=activations, transient_bytes=transient, step_peak_bytes=step_peak,
                       total_peak_bytes=total, reserved_peak_bytes=total + workload.reserved_slack_bytes,
                       micro_batches_in_flight=in_flight, capacity_bytes=capacity_bytes, gathered_parameters_bytes=gathered,
+                      accumulated_gradients_bytes=accumulated,
                       fp8_weights_bytes=fp8_weights, host_bytes=host + offloaded,
                       host_capacity_bytes=host_capacity_bytes)
 

@@ -98,3 +98,81 @@ def test_the_step_counts_fsdp2s_copies_in_every_pass_of_zero3_only(tiny_dirs):
     copies = {name: step.exposed_ns.get("zero3_copies", 0.0) for name, step in steps.items()}
     assert copies["zero1"] == 0 and copies["zero3"] > 0
     assert copies["kept"] < copies["zero3"] < copies["fp32"]
+
+
+def test_unsharded_accumulation_moves_what_fsdp2s_source_says():
+    """By hand from torch/distributed/fsdp/_fully_shard (_fsdp_param_group.py post_backward without reduce_grads;
+    _fsdp_param.py to_accumulated_grad_if_needed, accumulate_unsharded_grad_if_needed), for a unit of E bf16
+    parameters reduced in fp32: the first micro-batch casts its gradient to fp32 and keeps it (2E read, 4E
+    written); a middle one adds its gradient to the kept one (4E and 2E read, 4E written); the last adds, then
+    reduce-scatters the fp32 sum, its copy-in reading and writing fp32 (8E) before the same 4E-byte collective.
+    With one dtype the first keeps the gradient as autograd left it: no kernel."""
+    from fxworkload.parallel.collectives import (EVERY, FIRST, LAST, MIDDLE, NONE, REDUCESCATTER, fsdp_comms,
+                                                 micro_batch_scatters)
+    from fxworkload.parallel.units import Unit
+    from fxworkload.workload.table import GradRow
+
+    elements = 3 << 20
+    unit = Unit(name="layer0", block="layer", layer=0,
+                grads=[GradRow("w", "model.layers.0.mlp", ["weight"], elements, 4 * elements)])
+    _, (mixed,) = fsdp_comms([unit], Parallel(dp=4, zero=3), 2, 4)
+    _, (plain,) = fsdp_comms([unit], Parallel(dp=4, zero=3), 2, 2)
+
+    def kernels(comms):
+        return [(c.type, c.bytes, c.copy_bytes) for c in comms]
+
+    assert kernels(micro_batch_scatters(mixed, EVERY)) == [(REDUCESCATTER, 4 * elements, 6 * elements)]
+    assert kernels(micro_batch_scatters(mixed, FIRST)) == [(NONE, 0, 6 * elements)]
+    assert kernels(micro_batch_scatters(mixed, MIDDLE)) == [(NONE, 0, 10 * elements)]
+    assert kernels(micro_batch_scatters(mixed, LAST)) == [(NONE, 0, 10 * elements),
+                                                          (REDUCESCATTER, 4 * elements, 8 * elements)]
+    assert kernels(micro_batch_scatters(plain, FIRST)) == []
+    assert kernels(micro_batch_scatters(plain, MIDDLE)) == [(NONE, 0, 6 * elements)]
+    assert kernels(micro_batch_scatters(plain, LAST)) == [(NONE, 0, 6 * elements),
+                                                          (REDUCESCATTER, 2 * elements, 4 * elements)]
+
+
+def test_accumulating_unsharded_reduce_scatters_once_and_adds_its_kernels(tiny_dirs):
+    """ZeRO 3 on 8 ranks, 3 micro-batches, bf16 parameters reduced in fp32, with and without
+    --accumulate-unsharded. By hand over the step's FSDP units (E_u elements each): the copies grow by the
+    middle micro-batch's add (10 E_u bytes) in place of its copy-in (6 E_u), and by the last one's add and fp32
+    copy-in (10 E_u + 8 E_u) in place of its copy-in (6 E_u); the first one's cast moves what its copy-in moved.
+    Only the last micro-batch reduce-scatters, so the gathers wait no longer than beside three reduce-scatters;
+    the memory holds the rank's whole gradient in fp32 beside the rest."""
+    from fxworkload.cost.devices import load
+    from fxworkload.cost.gpu import memory_ns
+    from fxworkload.parallel.collectives import fsdp_units
+
+    run = dict(batch=1, seq=16, dtype="bf16", grad_dtype="fp32", device="h100-sxm")
+    layouts = {name: Parallel(dp=8, zero=3, micro_batches=3, accumulate_unsharded=name == "summed")
+               for name in ("each", "summed")}
+    steps = {name: extract(str(tiny_dirs["llama4"]), parallel=p, **run) for name, p in layouts.items()}
+    device = load("h100-sxm")
+    facts, model = device.gpu_facts(), device.gpu_model()
+    units = [u for u in steps["each"].cluster.device_units[0] if u.block != "dp"]
+    added = 0.0
+    for members in fsdp_units(units):
+        e = sum(g.elements for u in members for g in u.grads)
+        copy_in = memory_ns(6 * e, facts, model, casts=True)
+        added += memory_ns(10 * e, facts, model, casts=True) - copy_in  # the middle micro-batch
+        added += memory_ns(10 * e, facts, model, casts=True) + memory_ns(8 * e, facts, model) - copy_in  # the last
+    copies = {name: step.cluster.exposed_ns["zero3_copies"] for name, step in steps.items()}
+    assert copies["summed"] - copies["each"] == pytest.approx(added, rel=1e-9)
+    assert steps["summed"].cluster.exposed_ns["zero3_gather"] <= steps["each"].cluster.exposed_ns["zero3_gather"]
+    parameters = sum(g.elements for u in units for g in u.grads)
+    memory = {name: step.memory for name, step in steps.items()}
+    assert memory["each"].accumulated_gradients_bytes == 0
+    assert memory["summed"].accumulated_gradients_bytes == 4 * parameters
+    assert memory["summed"].total_peak_bytes - memory["each"].total_peak_bytes == 4 * parameters
+    one = extract(str(tiny_dirs["llama4"]), parallel=Parallel(dp=8, zero=3, accumulate_unsharded=True), **run)
+    assert one.memory.accumulated_gradients_bytes == 0  # one micro-batch: it reduce-scatters as ever
+
+
+def test_accumulate_unsharded_needs_zero3(tiny_dirs, capsys):
+    from fxworkload.cli import main
+
+    code = main(["extract", str(tiny_dirs["llama4"]), "--seq", "16", "--dp", "2", "--zero", "1",
+                 "--accumulate-unsharded", "--out", "/nonexistent/never-written"])
+    err = capsys.readouterr().err
+    assert code == 2 and "--accumulate-unsharded" in err and "--zero 3" in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1

@@ -284,6 +284,21 @@ def test_zero3_files_carry_every_gather_and_reduce_scatter_the_step_runs(tiny_di
         assert sum(attr(n, "comm_size") for n in found["gradients"]) == mbs * parameter_bytes
 
 
+def test_zero3_files_reduce_scatter_once_when_gradients_accumulate_unsharded(tiny_dirs, tmp_path_factory):
+    """--accumulate-unsharded: each FSDP unit's gradients are reduce-scattered in the last micro-batch only, the
+    stage's parameter bytes once (the tiny Llama, fp32), while every micro-batch still gathers."""
+    out, cluster = _write(tiny_dirs, tmp_path_factory, "llama4", dict(ZERO3_LAYOUT, accumulate_unsharded=True))
+    stage_units = [u for u in cluster.device_units[0] if u.block != "dp"]
+    fsdp = {u.layer if u.layer is not None else u.name for u in stage_units}
+    parameter_bytes = 4 * sum(g.elements for u in stage_units for g in u.grads)
+    last = f"mb{ZERO3_LAYOUT['micro_batches'] - 1} "
+    for rank in (0, 1):
+        found = _zero3_nodes(out, rank)
+        assert len(found["for forward"]) == ZERO3_LAYOUT["micro_batches"] * len(fsdp)
+        assert len(found["gradients"]) == len(fsdp) and all(n.name.startswith(last) for n in found["gradients"])
+        assert sum(attr(n, "comm_size") for n in found["gradients"]) == parameter_bytes
+
+
 def test_zero3_units_wait_for_their_parameters_and_prefetch_one(written_zero3):
     """Each FSDP unit's first compute waits for its gather; the gather of the unit after it is issued once the
     unit starts (it does not wait for the unit's compute: prefetch of one), so it runs beside that compute."""

@@ -281,6 +281,24 @@ def test_zero3_simai_rows_carry_every_gather_and_reduce_scatter_per_micro_batch(
     assert sum(r.weight_grad_comm_bytes for r in gathers) == 3 * parameter_bytes * (1 if keep_gathered else 2)
 
 
+def test_zero3_simai_rows_reduce_scatter_once_when_gradients_accumulate_unsharded(tiny_dirs, tmp_path):
+    """--accumulate-unsharded (FSDP2 without gradient sync until the last micro-batch): each FSDP unit
+    reduce-scatters its gradients once a step, in the last micro-batch, the whole parameter count's bytes
+    (the tiny Llama in fp32), where every micro-batch did before; the middle micro-batch's sums stand as rows
+    without a collective (NONE), the first's not at all (one dtype: autograd's gradient is kept)."""
+    code, out = _run(tmp_path, str(tiny_dirs["llama"]), "--seq", "16", "--format", "simai", "--dp", "2",
+                     "--micro-batches", "3", "--zero", "3", "--accumulate-unsharded")
+    assert code == 0
+    rows = read_simai(out / "workload.simai.txt").rows
+    model = _meta_model(tiny_dirs["llama"])
+    parameter_bytes = 4 * sum(p.numel() for p in model.parameters())
+    units = 1 + model.config.num_hidden_layers + 1
+    scatters = [r for r in rows if r.weight_grad_comm == "REDUCESCATTER"]
+    assert len(scatters) == units and sum(r.weight_grad_comm_bytes for r in scatters) == parameter_bytes
+    sums = [r for r in rows if "_reducescatter_" in r.name and r.weight_grad_comm == "NONE"]
+    assert len(sums) == 2 * units and all(r.weight_grad_ns > 0 for r in sums)
+
+
 def _meta_model(folder):
     """The checkpoint's model as transformers builds it (on the meta device: only its parameters' shapes)."""
     from transformers import AutoConfig, AutoModelForCausalLM
