@@ -265,6 +265,12 @@ def _add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--keep-gathered", action="store_true",
                        help="with --zero 3: keep each unit's gathered parameters from forward to backward (FSDP2's "
                             "reshard_after_forward=False; default: free them and gather again, as FSDP and ZeRO-3 do)")
+    group.add_argument("--reshard-after-forward", type=int, default=None, metavar="N",
+                       help="with --zero 3 (--tp 1, --ep 1): after its forward keep each unit's parameters sharded "
+                            "over N consecutive ranks of the data-parallel group, so its backward gathers over those "
+                            "N only, at 1/N of the parameters' memory (FSDP2's reshard_after_forward=N, e.g. the GPUs "
+                            "of a node; default: free them and gather over the whole group; --keep-gathered: keep "
+                            "them whole)")
     group.add_argument("--accumulate-unsharded", action="store_true",
                        help="with --zero 3: every micro-batch but the last keeps its gradients unsharded, summed "
                             "across micro-batches, and reduce-scatters nothing; the last reduce-scatters the sum "
@@ -312,11 +318,19 @@ def _parallel(args):
                     zero=args.zero, bucket_mb=args.bucket_mb, pp_layers=pp_layers, stage=args.stage,
                     vocab_multiple=args.vocab_multiple, recompute=args.recompute,
                     recompute_layers=args.recompute_layers, vpp=args.vpp,
-                    reshard_after_forward=not args.keep_gathered, accumulate_unsharded=args.accumulate_unsharded,
+                    reshard_after_forward=_reshard_after_forward(args), accumulate_unsharded=args.accumulate_unsharded,
                     overlap_grad_reduce=not args.grad_reduce_after_backward,
                     overlap_param_gather=args.overlap_param_gather, tp_comm_overlap=args.tp_comm_overlap,
                     fp8_param_gather=args.fp8_param_gather, optimizer_offload=args.optimizer_offload,
                     activation_offload_layers=args.activation_offload_layers, cuda_graphs=args.cuda_graphs)
+
+
+def _reshard_after_forward(args) -> bool | int:
+    """FSDP2's reshard_after_forward from --keep-gathered (False) and --reshard-after-forward N (N)."""
+    if args.keep_gathered and args.reshard_after_forward is not None:
+        raise UserError("--keep-gathered keeps the gathered parameters whole, --reshard-after-forward N keeps a 1/N "
+                        "shard of them: give one of the two")
+    return False if args.keep_gathered else True if args.reshard_after_forward is None else args.reshard_after_forward
 
 
 def _formats(text: str) -> list[str]:
@@ -367,6 +381,9 @@ def _extract(args, set_stage) -> int:
     if "chakra" in formats:
         from .formats.chakra import check_world
         check_world(parallel)
+    if "simai" in formats:
+        from .formats.simai import check_layout
+        check_layout(parallel)
     if "chrome-trace" in formats or "chakra" in formats:
         from .cluster.network import check_device
         from .pipeline import load_device

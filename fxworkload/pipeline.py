@@ -90,7 +90,7 @@ class Extraction:
         text = summary_text(self.workload, self.settings, top=top)
         if formats is None or parallel != Parallel() or list(formats) != ["tables"]:
             text += "\n" + rank_summary_text(self.rank)
-        text += "\n" + memory_summary_text(self.memory, self.device.name)
+        text += "\n" + memory_summary_text(self.memory, self.device.name, self.rank.parallel)
         if self.cluster_or_none() is not None:
             text += "\n" + cluster_summary_text(self.cluster, self.settings.get("fp8", False))
         if formats is not None and "simai" in formats and parallel.vpp > 1:

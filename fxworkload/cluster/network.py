@@ -43,6 +43,7 @@ from ..cost.topology import Topology
 from ..errors import UserError
 from ..memo import Memo
 from ..parallel.layout import Parallel
+from ..parallel.units import POST_FORWARD
 
 if TYPE_CHECKING:  # a type only: the units import torch, and plan's "why" reads this module without it
     from ..parallel.units import Comm
@@ -99,6 +100,8 @@ def group_layout(group: str, p: Parallel, domain_gpus: int) -> tuple[int, int]:
         ranks, stride = p.tp, 1
     elif group == "dp":
         ranks, stride = p.replicas, p.tp
+    elif group == POST_FORWARD:  # consecutive ranks of the data-parallel group (Parallel.post_forward_ranks)
+        ranks, stride = p.post_forward_ranks or p.replicas, p.tp
     elif group == "cp":
         ranks, stride = p.cp, p.tp
     elif group == "ep":

@@ -26,8 +26,9 @@ from ..cost.devices import DeviceProfile
 from ..cost.gpu import memory_ns
 from ..dtypes import DTYPES
 from ..memo import Memo
-from ..parallel.collectives import (ALLGATHER, EVERY, NONE, REDUCESCATTER, data_parallel_units, fsdp_comms, fsdp_units,
-                                    micro_batch_kinds, micro_batch_scatters, zero_rows)
+from ..parallel.collectives import (ALLGATHER, EVERY, NONE, REDUCESCATTER, backward_gathers, data_parallel_units,
+                                    fsdp_comms, fsdp_units, micro_batch_kinds, micro_batch_scatters, post_forward_copies,
+                                    zero_rows)
 from ..parallel.execution import Execution
 from ..parallel.facts import ModelFacts
 from ..parallel.layout import Parallel, virtual_stage_layers
@@ -575,7 +576,7 @@ def _zero3_groups(units: list[Unit], phase: str, p: Parallel, device: DeviceProf
     chunk's groups computed once per group shape in a layout search); ``kind``: which of the step's backwards
     (collectives.micro_batch_kind)."""
     key = (id(units), phase, p.replicas, p.dp // p.ep, p.ep, p.tp, p.cp, p.cp_comm, p.sp, p.reshard_after_forward,
-           param_itemsize, grad_itemsize, fp8_modules, id(device), kind)
+           p.post_forward_ranks, param_itemsize, grad_itemsize, fp8_modules, id(device), kind)
     return _ZERO3.get(key, (units, device), lambda: _zero3_groups_of(units, phase, p, device, param_itemsize,
                                                                      grad_itemsize, fp8_modules, kind))
 
@@ -588,12 +589,14 @@ def _zero3_groups_of(units: list[Unit], phase: str, p: Parallel, device: DeviceP
         compute = sum(u.costs[ph][0] for u in members for ph in phases) + sum(
             _comms_ns(u, phase, p, device) for u in members)
         gathers, scatters = fsdp_comms(members, p, param_itemsize, grad_itemsize, fp8_modules)
+        kept = post_forward_copies(gathers, p) if phase == FORWARD else []  # reshard_after_forward=N
+        gathers = gathers if phase == FORWARD else backward_gathers(gathers, p)
         gathered = phase == FORWARD or p.reshard_after_forward  # reshard_after_forward=False: the forward's stay
         gather = sum(comm_ns(c, p, device) for c in gathers) if gathered else 0.0
         scatters = [] if phase == FORWARD else [x for c in scatters for x in micro_batch_scatters(c, kind)]
         scatter = sum(comm_ns(c, p, device) for c in scatters if c.type != NONE)
         groups.append(Group(compute_ns=compute, gather_ns=gather, reduce_scatter_ns=scatter,
-                            copy_ns=copy_kernels_ns((gathers if gathered else []) + scatters, device)))
+                            copy_ns=copy_kernels_ns((gathers if gathered else []) + scatters + kept, device)))
     return groups if phase == FORWARD else groups[::-1]
 
 

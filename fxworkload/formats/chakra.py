@@ -39,13 +39,15 @@ import json
 
 from ..capture.trace import FORWARD, INPUT_GRAD, WEIGHT_GRAD
 from ..errors import UserError
-from ..parallel.collectives import ALLGATHER, NONE, gathered_for, micro_batch_kind, micro_batch_scatters
+from ..parallel.collectives import (ALLGATHER, NONE, gathered_for, micro_batch_kind, micro_batch_scatters,
+                                    post_forward_copies)
+from ..parallel.units import POST_FORWARD
 
 MAX_RANKS = 1024  # one file per rank: past this the folder is larger than any simulator run wants
 COMM_TYPES = {"ALLREDUCE": "ALL_REDUCE", "ALLGATHER": "ALL_GATHER", "REDUCESCATTER": "REDUCE_SCATTER",
               "ALLTOALL": "ALL_TO_ALL"}
 GROUPS_FILE = "workload.comm_groups.json"
-GROUP_KINDS = ("tp", "cp", "dp", "ep", "dp_ep")
+GROUP_KINDS = ("tp", "cp", "dp", "ep", "dp_ep", POST_FORWARD)
 INT32_FIELDS = ("comm_src", "comm_dst", "comm_tag")
 
 
@@ -78,6 +80,11 @@ def group_members(kind: str, rank: int, p) -> list[int]:
         peers = [(d, x, t) for x in range(p.cp)]
     elif kind == "dp":
         peers = [(x, y, t) for x in range(p.dp) for y in range(p.cp)]
+    elif kind == POST_FORWARD:  # N consecutive members of the data-parallel group (Parallel.post_forward_ranks)
+        members = group_members("dp", rank, p)
+        n = p.post_forward_ranks or 1
+        start = members.index(rank) // n * n
+        return members[start:start + n]
     elif kind == "ep":
         peers = [(d - d % p.ep + x, c, t) for x in range(p.ep)]
     else:
@@ -226,6 +233,9 @@ def _rank_nodes(pb, cluster, rank: int, groups: dict) -> list:
                     b.chain(f"mb{mb} {unit.name} waits for activation copies", pb.COMP_NODE, duration_ns=wait,
                             num_ops=0, tensor_size=0)
                 _unit_nodes(b, pb, unit, forward, mb, p, cluster, completes)
+            if forward:  # --reshard-after-forward N: the unit's 1/N kept after its forward
+                _copy_node(b, pb, f"mb{mb} {members[0].name} FSDP2 post-forward reshard",
+                           post_forward_copies(list(group[1]), p), cluster)
             if not forward:  # --accumulate-unsharded: only the last micro-batch reduce-scatters (the sum)
                 scatters = [x for c in scatters for x in micro_batch_scatters(c, micro_batch_kind(p, mb))]
                 _copy_node(b, pb, f"mb{mb} {members[0].name} FSDP2 copy-in", scatters, cluster)

@@ -76,11 +76,20 @@ def from_rank(rank: RankWorkload, device=None, cluster=None) -> SimaiWorkload:
     """``device``: the profile that times context-parallel exchanges (needed only with --cp > 1); ``cluster``: the
     step (cluster/step.py), whose waits on activation copies the rows fold in (--activation-offload-layers)."""
     p = rank.parallel
+    check_layout(p)
     header = {"model_parallel_NPU_group": p.tp, "ep": p.ep, "pp": p.pp, "vpp": p.vpp, "ga": p.micro_batches,
               "all_gpus": p.world, "checkpoints": 0, "checkpoint_initiates": 0, "pp_comm": rank.pp_comm_bytes}
     waits = _copy_waits(rank, cluster)
     return SimaiWorkload(policy=POLICY, header=header,
                          rows=[row for unit in step_units(rank) for row in _rows(unit, p, device, waits)])
+
+
+def check_layout(p) -> None:
+    """What a SimAI workload cannot say, in one line, before any work."""
+    if p.post_forward_ranks:
+        raise UserError(f"--format simai: SimAI's workload names no group smaller than the data-parallel one, and "
+                        f"--reshard-after-forward {p.post_forward_ranks} gathers over {p.post_forward_ranks} of its ranks; "
+                        "write --format chakra (its groups are listed) or leave the flag out")
 
 
 def _copy_waits(rank: RankWorkload, cluster) -> dict[tuple[int, str], float]:

@@ -274,15 +274,18 @@ def _fp8_note(cluster, fp8: bool) -> str:
     return f"; --fp8 GEMMs run at up to {rates['fp8'] / 1e12:,.0f}" if fp8 and "fp8" in rates else ""
 
 
-def memory_summary_text(memory, device_name: str) -> str:
-    """The rank's memory at its peak, part by part, and whether it fits the device."""
+def memory_summary_text(memory, device_name: str, parallel=None) -> str:
+    """The rank's memory at its peak, part by part, and whether it fits the device (``parallel``: its layout)."""
     from ..parallel.memory import describe_fit
 
     gib = 2 ** 30
     lines = [["parameters (GiB, this rank, after ZeRO)", f"{memory.parameters_bytes / gib:.3f}"],
              ["gradients", f"{memory.gradients_bytes / gib:.3f}"],
              ["optimizer states (Adam)", f"{memory.optimizer_bytes / gib:.3f}"],
-             *([["gathered parameters kept forward to backward (--keep-gathered)",
+             *([["gathered parameters kept forward to backward (" + (
+                 f"--reshard-after-forward {ranks}: a 1/{ranks} shard)"
+                 if parallel is not None and (ranks := parallel.post_forward_ranks)
+                 else "--keep-gathered)"),
                  f"{memory.gathered_parameters_bytes / gib:.3f}"]] if memory.gathered_parameters_bytes else []),
              *([["gradients summed unsharded over micro-batches (--accumulate-unsharded)",
                  f"{memory.accumulated_gradients_bytes / gib:.3f}"]] if memory.accumulated_gradients_bytes else []),

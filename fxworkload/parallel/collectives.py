@@ -25,7 +25,7 @@ from ..capture.trace import FORWARD, INPUT_GRAD, WEIGHT_GRAD
 from ..memo import Memo
 from .layout import Parallel
 from .recompute import is_recomputed
-from .units import EMBEDDING, HEAD, LAYER, Comm, Unit, is_expert
+from .units import EMBEDDING, HEAD, LAYER, POST_FORWARD, Comm, Unit, is_expert
 
 ALLREDUCE, ALLGATHER, REDUCESCATTER, ALLTOALL = "ALLREDUCE", "ALLGATHER", "REDUCESCATTER", "ALLTOALL"
 LOSS_BYTES_PER_TOKEN = 4  # Megatron's vocab-parallel cross entropy reduces fp32 values
@@ -214,7 +214,7 @@ def fsdp_comms(members: list[Unit], p: Parallel, param_itemsize: int, grad_items
 
 # --accumulate-unsharded: what a ZeRO 3 micro-batch's backward does with its gradients (micro_batch_kind)
 EVERY, FIRST, MIDDLE, LAST = "every", "first", "middle", "last"
-NONE = "NONE"  # a kernel on the compute stream standing where a reduce-scatter would be, with no collective
+NONE = "NONE"  # a kernel on the compute stream beside ZeRO 3's collectives, carrying its bytes: no collective
 
 
 def micro_batch_kind(p: Parallel, micro_batch: int) -> str:
@@ -257,6 +257,23 @@ def micro_batch_scatters(scatter: Comm, kind: str) -> list[Comm]:
     return [added, replace(scatter, copy_bytes=2 * scatter.bytes, copy_casts=False)]
 
 
+def backward_gathers(gathers: list[Comm], p: Parallel) -> list[Comm]:
+    """An FSDP unit's parameter gathers before its backward: over the data-parallel group, or with FSDP2's
+    reshard_after_forward=N over the N ranks its parameters stayed sharded over (POST_FORWARD)."""
+    if not p.post_forward_ranks:
+        return gathers
+    return [replace(c, group=POST_FORWARD) if c.group == "dp" else c for c in gathers]
+
+
+def post_forward_copies(gathers: list[Comm], p: Parallel) -> list[Comm]:
+    """With reshard_after_forward=N, the kernel that keeps the rank's 1/N of each gathered unit after its forward
+    (_fsdp_param.py to_sharded_post_forward: the slice cloned out of the gathered buffer, read and written), on
+    the compute stream; none otherwise."""
+    ranks = p.post_forward_ranks
+    return [replace(c, type=NONE, bytes=0, what="parameters resharded after forward", copy_bytes=2 * c.bytes // ranks,
+                    copy_casts=False) for c in gathers if c.group == "dp"] if ranks else []
+
+
 def data_parallel_units(units: list[Unit], p: Parallel, grad_itemsize: int, param_itemsize: int,
                         fp8_modules: frozenset = frozenset()) -> list[Unit]:
     """The stage's units with its data-parallel rows inserted: a gradient bucket's row sits just before
@@ -267,7 +284,7 @@ def data_parallel_units(units: list[Unit], p: Parallel, grad_itemsize: int, para
     gathered_fp8 = fp8_modules if p.fp8_param_gather else frozenset()
     key = (tuple(map(id, grads)), tuple(len(u.grads) for u in units), p.replicas > 1, p.dp // p.ep > 1, p.ep > 1,
            zero_rows(p.zero), p.bucket_mb, grad_itemsize, param_itemsize, gathered_fp8,
-           p.zero == 3 and p.reshard_after_forward)
+           p.zero == 3 and p.reshard_after_forward, p.post_forward_ranks)
     if p.zero == 3:
         return _DP_ROWS.get(key, tuple(grads), lambda: _zero3_rows(units, p, grad_itemsize, param_itemsize,
                                                                    gathered_fp8))
@@ -294,7 +311,7 @@ def _zero3_rows(units: list[Unit], p: Parallel, grad_itemsize: int, param_itemsi
         out += members
         phases = ("backward", "forward") if p.reshard_after_forward else ("forward",)
         out += [_dp_row(f"{c.group}_param_allgather_{name}_{phase}", replace(c, what=GATHERED_FOR + phase))
-                for phase in phases for c in gathers]
+                for phase in phases for c in (backward_gathers(gathers, p) if phase == "backward" else gathers)]
     return out
 
 

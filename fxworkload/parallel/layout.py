@@ -27,7 +27,10 @@ class Parallel:
     recompute: str = "none"  # activation recomputation: none, selective (attention core) or full (whole layers)
     recompute_layers: int | None = None  # recompute the first N layers of each stage; None = all
     vpp: int = 1  # virtual pipeline stages (model chunks) per device: Megatron's interleaved 1F1B schedule
-    reshard_after_forward: bool = True  # ZeRO 3 / FSDP: free gathered parameters after forward (gather again in backward)
+    # ZeRO 3 / FSDP: free gathered parameters after forward and gather them again in backward (True); keep them
+    # (False); or, as FSDP2's int, keep a shard of them over N ranks of the data-parallel group, so backward
+    # gathers over those N only (post_forward_ranks)
+    reshard_after_forward: bool | int = True
     # ZeRO 3 with gradient accumulation: every micro-batch but the last accumulates its gradients unsharded and
     # reduce-scatters nothing; the last reduce-scatters the sum (FSDP2's set_requires_gradient_sync(False) on all
     # but the last micro-batch: Accelerate's no_sync, torch.distributed.pipelining's schedules); False: each
@@ -78,6 +81,14 @@ class Parallel:
         return self.dp * self.cp
 
     @property
+    def post_forward_ranks(self) -> int | None:
+        """FSDP2's reshard_after_forward=N: the ranks each unit's parameters stay sharded over from its forward to
+        its backward, whose gather runs over them (N consecutive ranks of the data-parallel group:
+        _fsdp_init._get_post_forward_mesh_info views the shard mesh as (-1, N)); None: the whole group or none."""
+        value = self.reshard_after_forward
+        return value if type(value) is int and value < self.replicas else None
+
+    @property
     def expert_replicas(self) -> int:
         """The ranks holding the same expert parameters (Megatron-Core's expert-data-parallel group)."""
         return expert_replicas(self.replicas, self.ep)
@@ -86,6 +97,23 @@ class Parallel:
         out = asdict(self)
         out["pp_layers"] = list(self.pp_layers) if self.pp_layers else None
         return out | {"world": self.world}
+
+
+def _check_post_forward(p: Parallel) -> None:
+    """FSDP2's checks of an int reshard_after_forward (torch/distributed/fsdp/_fully_shard/_fsdp_init.py
+    _get_post_forward_mesh_info; _fsdp_param.py to_sharded_post_forward), in one line each."""
+    ranks = p.reshard_after_forward
+    if type(ranks) is bool:
+        return
+    if type(ranks) is not int or ranks < 2 or p.replicas % ranks:
+        raise UserError(f"--reshard-after-forward {ranks!r} is the ranks each unit's parameters stay sharded over "
+                        f"between forward and backward: a divisor of the data-parallel group ({p.replicas} ranks) "
+                        "from 2 up (--keep-gathered keeps them whole)")
+    if p.zero != 3:
+        raise UserError("--reshard-after-forward reshards ZeRO 3's gathered parameters: it needs --zero 3")
+    if p.tp > 1 or p.ep > 1:  # the parameters are DTensors on the tensor- or expert-parallel mesh
+        raise UserError("--reshard-after-forward N with --tp or --ep above 1: FSDP2 does not reshard DTensor "
+                        "parameters to a smaller mesh ('not supported for DTensor parameters yet'); use --tp 1 --ep 1")
 
 
 RECOMPUTE_MODES = ("none", "selective", "op", "full")
@@ -115,6 +143,7 @@ def check_values(parallel: Parallel) -> None:
                         f"{MAX_BUCKET_MB:,} MiB, got {p.bucket_mb}")
     if not p.reshard_after_forward and p.zero != 3:
         raise UserError("--keep-gathered keeps ZeRO 3's gathered parameters: it needs --zero 3")
+    _check_post_forward(p)
     if p.accumulate_unsharded and p.zero != 3:
         raise UserError("--accumulate-unsharded holds ZeRO 3's gradients unsharded between micro-batches: it needs "
                         "--zero 3 (ZeRO 1/2 and plain data parallelism reduce once a step already)")

@@ -43,7 +43,8 @@ class RankMemory:
     total_peak_bytes: int
     micro_batches_in_flight: int
     capacity_bytes: int  # the device's memory; 0 where the profile has none (CPU)
-    gathered_parameters_bytes: int = 0  # ZeRO 3 --keep-gathered: every unit's gathered parameters, forward to backward
+    # ZeRO 3 --keep-gathered: every unit's gathered parameters, forward to backward (--reshard-after-forward N: 1/N)
+    gathered_parameters_bytes: int = 0
     # ZeRO 3 --accumulate-unsharded over micro-batches: every unit's unsharded gradients summed from the first
     # micro-batch's backward to the last's reduce-scatter
     accumulated_gradients_bytes: int = 0
@@ -86,6 +87,8 @@ def rank_memory(p: Parallel, rank_units: list, workload: Workload, dtype: str, g
     # FSDP2's reshard_after_forward=False: each unit's all-gathered parameters stay from its forward to its
     # backward, so at the end of the forward every unit's whole copy is held beside the shards
     gathered = (dense + expert) * DTYPES[dtype].itemsize if p.zero == 3 and not p.reshard_after_forward else 0
+    if p.zero == 3 and p.post_forward_ranks:  # reshard_after_forward=N: each unit's 1/N clone, forward to backward
+        gathered = (dense + expert) * DTYPES[dtype].itemsize // p.post_forward_ranks
     # --accumulate-unsharded: FSDP2 keeps each parameter's unsharded gradient, in the reduce dtype, between the
     # micro-batches that do not reduce-scatter (collectives.micro_batch_scatters), beside the last one's activations
     accumulated = (dense + expert) * grad_size if p.zero == 3 and p.accumulate_unsharded and p.micro_batches > 1 else 0

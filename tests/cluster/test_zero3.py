@@ -176,3 +176,52 @@ def test_accumulate_unsharded_needs_zero3(tiny_dirs, capsys):
     err = capsys.readouterr().err
     assert code == 2 and "--accumulate-unsharded" in err and "--zero 3" in err and "Traceback" not in err
     assert len(err.strip().splitlines()) == 1
+
+
+def test_resharding_to_n_ranks_gathers_over_them_in_backward(tiny_dirs):
+    """FSDP2's reshard_after_forward=8 on 16 data-parallel ranks (two DGX nodes): after each unit's forward the
+    rank keeps its 1/8 of the gathered parameters (a clone of that slice: its bytes read and written), and the
+    backward gathers over the 8 ranks of its node (torch's _get_post_forward_mesh_info views the shard mesh as
+    (-1, 8)): by hand over the FSDP units, each backward gather is an 8-rank all-gather inside one NVLink domain
+    of the unit's bytes, the forward's stay 16-rank gathers across two, and the rank holds 1/8 of its
+    parameters beside its shard from forward to backward."""
+    from fxworkload.cluster.network import collective_ns
+    from fxworkload.cost.devices import load
+    from fxworkload.cost.gpu import memory_ns
+    from fxworkload.parallel.collectives import ALLGATHER, fsdp_units
+
+    run = dict(batch=1, seq=16, dtype="bf16", device="h100-sxm")
+    layouts = {"whole": Parallel(dp=16, zero=3, micro_batches=2),
+               "node": Parallel(dp=16, zero=3, micro_batches=2, reshard_after_forward=8)}
+    steps = {name: extract(str(tiny_dirs["llama4"]), parallel=p, **run) for name, p in layouts.items()}
+    device = load("h100-sxm")
+    facts, model = device.gpu_facts(), device.gpu_model()
+    units = [u for u in steps["whole"].cluster.device_units[0] if u.block != "dp"]
+    unit_bytes = [2 * sum(g.elements for u in members for g in u.grads) for members in fsdp_units(units)]
+    forward_ns, backward_ns = steps["node"].cluster.devices[0].zero3_gather_ns
+    assert forward_ns == pytest.approx(sum(collective_ns(ALLGATHER, b, 16, 2, device) for b in unit_bytes), rel=1e-9)
+    assert backward_ns == pytest.approx(sum(collective_ns(ALLGATHER, b, 8, 1, device) for b in unit_bytes), rel=1e-9)
+    assert backward_ns < steps["whole"].cluster.devices[0].zero3_gather_ns[1]
+    kept = sum(memory_ns(2 * b // 8, facts, model) for b in unit_bytes)  # each unit's clone, every micro-batch
+    copies = {name: step.cluster.exposed_ns["zero3_copies"] for name, step in steps.items()}
+    assert copies["node"] - copies["whole"] == pytest.approx(2 * kept, rel=1e-9)
+    assert steps["node"].memory.gathered_parameters_bytes == sum(unit_bytes) // 8
+    assert steps["node"].memory.total_peak_bytes - steps["whole"].memory.total_peak_bytes == sum(unit_bytes) // 8
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["--dp", "16", "--zero", "3", "--reshard-after-forward", "3"], "a divisor of the data-parallel group (16 ranks)"),
+    (["--dp", "16", "--zero", "3", "--reshard-after-forward", "1"], "from 2 up"),
+    (["--dp", "16", "--zero", "1", "--reshard-after-forward", "8"], "it needs --zero 3"),
+    (["--dp", "8", "--tp", "2", "--zero", "3", "--reshard-after-forward", "4"], "not supported for DTensor parameters"),
+    (["--dp", "16", "--zero", "3", "--keep-gathered", "--reshard-after-forward", "8"], "give one of the two"),
+    (["--dp", "16", "--zero", "3", "--reshard-after-forward", "8", "--format", "simai"], "no group smaller"),
+])
+def test_reshard_after_forward_refuses_what_fsdp2_and_simai_cannot_run(tiny_dirs, tmp_path, capsys, argv, said):
+    from fxworkload.cli import main
+
+    out = tmp_path / "out"
+    code = main(["extract", str(tiny_dirs["llama4"]), "--seq", "16", *argv, "--out", str(out)])
+    err = capsys.readouterr().err
+    assert code == 2 and said in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert not out.exists()

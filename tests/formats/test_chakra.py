@@ -299,6 +299,20 @@ def test_zero3_files_reduce_scatter_once_when_gradients_accumulate_unsharded(tin
         assert sum(attr(n, "comm_size") for n in found["gradients"]) == parameter_bytes
 
 
+def test_resharded_backward_gathers_run_in_the_ranks_fsdp2_reshards_to(tiny_dirs, tmp_path_factory):
+    """--reshard-after-forward 4 on 8 data-parallel ranks: FSDP2 views the shard mesh as (-1, 4)
+    (_fsdp_init._get_post_forward_mesh_info), so ranks 0-3 and 4-7 each form a group, listed in the groups file
+    ASTRA-sim reads; every backward gather of rank 5 names the group of 4-7, every forward gather the group of
+    all eight."""
+    out, _ = _write(tiny_dirs, tmp_path_factory, "llama4", dict(dp=8, zero=3, micro_batches=2,
+                                                                reshard_after_forward=4))
+    groups = {int(k): v for k, v in json.loads((out / "workload.comm_groups.json").read_text()).items()}
+    assert [0, 1, 2, 3] in groups.values() and [4, 5, 6, 7] in groups.values()
+    found = _zero3_nodes(out, 5)
+    assert found["for backward"] and {groups[int(attr(n, "pg_name"))] == [4, 5, 6, 7] for n in found["for backward"]} == {True}
+    assert {groups[int(attr(n, "pg_name"))] == list(range(8)) for n in found["for forward"]} == {True}
+
+
 def test_zero3_units_wait_for_their_parameters_and_prefetch_one(written_zero3):
     """Each FSDP unit's first compute waits for its gather; the gather of the unit after it is issued once the
     unit starts (it does not wait for the unit's compute: prefetch of one), so it runs beside that compute."""
