@@ -169,12 +169,26 @@ TORCHTITAN = {
                                                      5078.1, None),
     "torchtitan 2025-06 8B AsyncTP Float8": TorchtitanRun("llama-3-8b", 8, 8, 12, 8192, "op", "compiled", "torchao",
                                                           True, 5570.1, None),
+    # torchao's own e2e benchmark (docs/source/workflows/training.md "e2e training benchmarks", NVIDIA H100; the
+    # torchao/float8/README.md table of pytorch/ao#1793, 2025-03): torchtitan 0.0.2 on 8 H100s, local batch 1, seq
+    # 8,192, torch.compile, FSDP2, per-op SAC; torch 2.7.0a0+gitb98af95 (its blocks compiled, the loss not yet: as
+    # the 2024 rows), torchao 0.10.0+git890e0ac8. Its H100s are taken as Meta's 500 W 96 GB boards, as torchtitan's
+    # published runs (the page says "H100"); its "Peak Memory (GB)" as torchtitan logs it, reserved GiB.
+    "torchao 8B bf16": TorchtitanRun("llama-3-8b", 8, 1, 1, 8192, "op", "compiled-blocks", None, False, 6150, 47.65),
+    "torchao 8B Float8 tensorwise": TorchtitanRun("llama-3-8b", 8, 1, 1, 8192, "op", "compiled-blocks", "torchao",
+                                                  False, 7689.5, 47.77),
+    "torchao 8B Float8 rowwise": TorchtitanRun("llama-3-8b", 8, 1, 1, 8192, "op", "compiled-blocks", "torchao-rowwise",
+                                               False, 6768, 47.79),
 }
 # Rows whose train config gathers the Float8 linears' weights in FP8 under FSDP2 (torchao's float8 all-gather,
 # ``--fp8-param-gather``): the 405B config of torchtitan at 904913f7, train_configs/llama3_405b.toml [float8]
 # enable_fsdp_float8_all_gather = true, precompute_float8_dynamic_scale_for_fsdp = true. The 8B and 70B configs
 # leave float8 off, and the flags the runs added to them are not published: the option's default, off.
-FSDP_FLOAT8_GATHER = {"torchtitan 405B FSDP+TP Float8", "torchtitan 405B FSDP+TP Float8 AsyncTP"}
+FSDP_FLOAT8_GATHER = {"torchtitan 405B FSDP+TP Float8", "torchtitan 405B FSDP+TP Float8 AsyncTP",
+                      "torchao 8B Float8 tensorwise"}  # torchao's "tensorwise with float8 all-gather"
+# torchao's recipes against each other and against bf16, as its benchmark published them: (baseline, changed)
+FLOAT8_RECIPE_PAIRS = (("torchao 8B bf16", "torchao 8B Float8 tensorwise"), ("torchao 8B bf16", "torchao 8B Float8 rowwise"),
+                       ("torchao 8B Float8 tensorwise", "torchao 8B Float8 rowwise"))
 # AsyncTP off and on at one layout, as published: (off, on) rows of TORCHTITAN
 ASYNC_TP_PAIRS = (("torchtitan 405B FSDP+TP Float8", "torchtitan 405B FSDP+TP Float8 AsyncTP"),
                   ("torchtitan 70B FSDP+TP Float8", "torchtitan 70B FSDP+TP Float8 AsyncTP"),
@@ -301,14 +315,14 @@ def torchtitan_row(name: str, root: Path, tokens_per_s: dict | None = None) -> l
             f"{100 * (ours / published - 1):+.2f}%"]
 
 
-def async_tp_pairs(tokens_per_s: dict) -> list:
-    """Each published AsyncTP pair whose two rows ran: the change in tokens/s it published and ours."""
+def pair_rows(pairs: tuple, tokens_per_s: dict, name=lambda off, on: on.replace(" AsyncTP", "")) -> list:
+    """Each published (baseline, changed) pair whose two rows ran: the change in tokens/s it published and ours."""
     rows = []
-    for off, on in ASYNC_TP_PAIRS:
+    for off, on in pairs:
         if off in tokens_per_s and on in tokens_per_s:
             published = 100 * (TORCHTITAN[on].tokens_per_s / TORCHTITAN[off].tokens_per_s - 1)
             ours = 100 * (tokens_per_s[on] / tokens_per_s[off] - 1)
-            rows.append([on.replace(" AsyncTP", ""), f"{published:+.1f} %", f"{ours:+.1f} %", f"{ours - published:+.1f}",
+            rows.append([name(off, on), f"{published:+.1f} %", f"{ours:+.1f} %", f"{ours - published:+.1f}",
                          "yes" if abs(ours - published) <= 3 else "no"])
     return rows
 
@@ -498,10 +512,15 @@ def main() -> None:
         print(tabulate(native, headers=["run", "layout", "gpus", "as run; peak memory ours vs published (reserved)",
                                         "published", "ours", "ours_vs_published"], tablefmt="github"))
         print(accuracy_line(native))
-    pairs = async_tp_pairs(tokens_per_s)
+    pairs = pair_rows(ASYNC_TP_PAIRS, tokens_per_s)
     if pairs:
         print("\nAsyncTP off and on (torchtitan, held out; issue 39: within 3 points of the published change):")
         print(tabulate(pairs, headers=["pair", "published change", "ours", "points apart", "within 3 points"],
+                       tablefmt="github", disable_numparse=True))
+    recipes = pair_rows(FLOAT8_RECIPE_PAIRS, tokens_per_s, lambda off, on: f"{on.split('8B ')[1]} over {off.split('8B ')[1]}")
+    if recipes:
+        print("\nFloat8 recipes (torchao's benchmark, Llama 3 8B on 8 H100s, held out):")
+        print(tabulate(recipes, headers=["change", "published", "ours", "points apart", "within 3 points"],
                        tablefmt="github", disable_numparse=True))
     if wanted is None or "offload" in wanted:
         print("\nOptimizer offload on and off (NVIDIA-NeMo/RL#3628, one H100, Megatron-Core's HybridDeviceOptimizer):")

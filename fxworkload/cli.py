@@ -49,8 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
     extract.add_argument("--fp8", action="store_true", help=FP8_HELP)
     extract.add_argument("--fp8-recipe", default="te", metavar="RECIPE",
                          help="with --fp8: te (Transformer Engine: amax in the cast's pass, FP8 weights kept a step; "
-                              "default) or torchao (torchao's Float8Linear as torchtitan runs it: dynamic tensor-wise "
-                              "scaling, an amax pass before each cast, weights cast in every forward)")
+                              "default), torchao (torchao's Float8Linear as torchtitan runs it: dynamic tensor-wise "
+                              "scaling, an amax pass before each cast, weights cast in every forward) or "
+                              "torchao-rowwise (its row-wise recipe: each GEMM's operands cast from 16 bits along its "
+                              "reduction axis, the input kept in 16 bits, 16-bit gathers)")
     extract.add_argument("--sdpa-backends", type=_backends, default=None, metavar="LIST", help=SDPA_BACKENDS_HELP)
     extract.add_argument("--attention", default=None, metavar="IMPL", help=ATTENTION_HELP)
     extract.add_argument("--size-unit", choices=["bytes", "elements"], default="bytes",

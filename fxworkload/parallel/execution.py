@@ -28,7 +28,7 @@ class Execution:
     parallel: Parallel = field(default_factory=Parallel)
     stack: str = "eager"  # whose kernels and saved activations (workload/stacks.py)
     fp8: bool = False  # the decoder layers' linear GEMMs in FP8 (workload/fp8.py)
-    fp8_recipe: str = "te"  # with fp8: Transformer Engine's scaling or torchao's
+    fp8_recipe: str = "te"  # with fp8: Transformer Engine's scaling, torchao's tensor-wise or its row-wise
     dropout: bool = True  # False: every dropout probability of the config 0 (a loop in eval mode)
     sdpa_backends: tuple[str, ...] | None = None  # the attention kernels enabled; None: all, in the GPU's order
     attention: str | None = None  # transformers' attention implementation (sdpa, eager, flex); None: the model's
@@ -55,6 +55,10 @@ class Execution:
             from ..workload.fp8 import check_recipe  # imports torch: a plan read from its cache never does
 
             check_recipe(self.fp8_recipe)
+            if self.fp8_recipe == "torchao-rowwise" and self.parallel.fp8_param_gather:
+                raise UserError("--fp8-param-gather with --fp8-recipe torchao-rowwise: torchao's FSDP float8 "
+                                "all-gather is tensor-wise only (torchtitan: 'not supported' with a recipe name); "
+                                "use --fp8-recipe torchao or leave the flag out")
         elif self.fp8_recipe != "te":
             raise UserError(f"--fp8-recipe {self.fp8_recipe} says how FP8 GEMMs are scaled: it needs --fp8")
         elif self.parallel.fp8_param_gather:

@@ -35,7 +35,25 @@ Under ``--stack compiled`` torchao's amax and cast kernels are inductor's (torch
 with Float8Linear in them): they take the generated kernels' factor over the roofline
 (cost/gpu.py ``generated_kernel_slowdown``). Transformer Engine's are its own, hand-written.
 
-Not modelled: delayed scaling's amax history; torchao's row-wise scaling.
+``--fp8-recipe torchao-rowwise`` runs torchao's row-wise recipe (``Float8LinearConfig.from_recipe_name("rowwise")``,
+torchao/float8/config.py; float8_linear.py ``matmul_with_hp_or_float8_args``): each of a linear's three GEMMs casts
+its own two operands from their 16-bit copies, each scaled per row or column along that GEMM's reduction axis
+(e4m3 throughout), so backward keeps the 16-bit input (``ctx.save_for_backward(input_hp, weight_hp_t)``: nothing
+saved in FP8) and casts six times where tensor-wise casts three:
+- forward, input and weight scaled along k, each row's amax and cast in one pass (read 2, write 1);
+- input gradient: the output gradient along n (one pass), the weight along n, down its columns (the columns'
+  amax first, then the cast, written transposed for the GEMM: read 2 + 2, write 1);
+- weight gradient: the output gradient and the saved input along m, down their columns (the same two passes).
+The forward GEMM is ``_scaled_mm`` with row-wise scales and fast accumulation, PyTorch's CUTLASS kernel, timed
+as the tensor-wise cuBLAS one (pytorch/pytorch#147971: most shapes at 90-100 % of its rate, a tail to 50 % not
+modelled); the two backward GEMMs run without fast accumulation, which torchao sends to the tensor-wise cuBLAS
+kernel with unit scales and then scales the 16-bit output by the outer product of the row and column scales
+(float8_ops.py ``addmm_float8_unwrapped``: "the rowwise CUTLASS-based kernel is so slow without fast-accum"),
+one pass over the output (read 2, write 2). Sequence parallelism's all-gathers stay 16-bit (torchtitan runs
+regular tensor parallelism with the row-wise recipes), and so do FSDP's (torchtitan refuses its float8
+all-gather with a recipe name).
+
+Not modelled: delayed scaling's amax history; torchao's ``rowwise_with_gw_hp``.
 """
 
 from __future__ import annotations
@@ -55,7 +73,14 @@ CAST_BYTES_PER_ELEMENT = 2 + 1 + 1  # read a 16-bit value, write its FP8 cast an
 # Bytes per element of one operand's cast, by recipe: Transformer Engine's cast_transpose takes the amax in the
 # same pass; torchao's dynamic scaling reads the tensor once more for its amax first.
 RECIPE_CAST_BYTES = {"te": CAST_BYTES_PER_ELEMENT, "torchao": 2 + CAST_BYTES_PER_ELEMENT}
-FP8_RECIPES = tuple(RECIPE_CAST_BYTES)
+ROWWISE = "torchao-rowwise"
+FP8_RECIPES = (*RECIPE_CAST_BYTES, ROWWISE)
+# torchao's row-wise recipe, bytes per element (module docstring): a cast scaled along the tensor's rows (its
+# contiguous dim), amax and cast in one pass; one scaled down its columns, two passes and a transposed write;
+# the 16-bit output of a backward GEMM scaled after cuBLAS's tensor-wise kernel
+ROW_CAST_BYTES = 2 + 1
+COLUMN_CAST_BYTES = 2 + 2 + 1
+RESCALE_BYTES = 2 + 2
 
 
 def check_fp8(device: DeviceProfile, dtype: str) -> None:
@@ -70,8 +95,8 @@ def check_fp8(device: DeviceProfile, dtype: str) -> None:
 
 def check_recipe(recipe: str) -> str:
     if recipe not in FP8_RECIPES:
-        raise UserError(f"unknown --fp8-recipe {recipe!r}: use te (Transformer Engine) or torchao (torchao's "
-                        "Float8Linear, dynamic tensor-wise scaling)")
+        raise UserError(f"unknown --fp8-recipe {recipe!r}: use te (Transformer Engine), torchao (torchao's "
+                        "Float8Linear, dynamic tensor-wise scaling) or torchao-rowwise (its row-wise recipe)")
     return recipe
 
 
@@ -81,18 +106,18 @@ def with_fp8(workload: Workload, device: DeviceProfile, stack: str | None, recip
     the tensor-parallel ranks under sequence parallelism, whose all-gathers move FP8 (Workload.fp8_tp_gathers):
     the tensors they gather, a column-parallel linear's input and a row-parallel one's output gradient
     (``row_parallel``: those modules), are cast on the rank's 1/tp share before the gather, not whole."""
-    per_element = RECIPE_CAST_BYTES[check_recipe(recipe)]
-    weights_each_forward = recipe == "torchao"  # no FP8 copy kept: the weight cast in every forward
+    rowwise = check_recipe(recipe) == ROWWISE
+    per_element = RECIPE_CAST_BYTES.get(recipe, 0)
+    weights_each_forward = recipe != "te"  # torchao keeps no FP8 copy: the weight cast in every forward
     model = device.gpu_model()
-    cast_factor = model.generated_kernel_slowdown if recipe == "torchao" and STACKS[workload.stack].generates_kernels \
+    cast_factor = model.generated_kernel_slowdown if recipe != "te" and STACKS[workload.stack].generates_kernels \
         else 1.0  # torchao's casts under torch.compile are inductor's kernels (module docstring)
     retimed: dict[int, OpCost] = {}
 
-    def fp8(op: OpCost, cast_elements: int) -> OpCost:
+    def fp8(op: OpCost, cast_bytes: int) -> OpCost:
         if op.gemm_mkn is None or op.sdpa_backend:
             return op
         if id(op) not in retimed:
-            cast_bytes = cast_elements * per_element
             cast_ns = memory_ns(cast_bytes, device.gpu_facts(), model, casts=True) * cast_factor if cast_bytes else 0.0
             retimed[id(op)] = replace(op, gemm_dtype="fp8", bytes=op.bytes + cast_bytes,
                                       estimated_ns=gpu_op_ns(op, device, "fp8") + cast_ns)
@@ -107,22 +132,29 @@ def with_fp8(workload: Workload, device: DeviceProfile, stack: str | None, recip
                 previous = None
             continue
         m, k, n = row.forward.gemm_mkn
-        elements = m * k * row.forward.gemm_batch
-        if previous is None or previous[0] != elements:  # not a sibling of the last linear: find its input
-            _save_input_in_fp8(rows, row, elements, stack, halved)
+        batch = row.forward.gemm_batch
+        elements = m * k * batch
+        if (previous is None or previous[0] != elements) and not rowwise:  # not a sibling of the last linear
+            _save_input_in_fp8(rows, row, elements, stack, halved)  # row-wise backward recasts the 16-bit input
         previous = (elements, len(rows))
-        weight_elements = k * n * row.forward.gemm_batch if weights_each_forward else 0
-        row_wise = within_any(row.module, row_parallel)
-        input_cast = m * k // (1 if row_wise else sp_tp)  # a gathered input is cast as the rank's shard
-        gradient_cast = m * n // (sp_tp if row_wise else 1)  # likewise a gathered output gradient
-        rows.append(row.with_ops(fp8(row.forward, input_cast + weight_elements),
-                                 [fp8(op, gradient_cast if op.gemm_mkn else 0) for op in row.input_grad],
-                                 [fp8(op, 0) for op in row.weight_grad]))
+        if rowwise:  # six casts from 16 bits and two rescaled outputs (module docstring); gathers stay 16-bit
+            casts = ((m * k + k * n) * ROW_CAST_BYTES * batch,
+                     (m * n * ROW_CAST_BYTES + k * n * COLUMN_CAST_BYTES + m * k * RESCALE_BYTES) * batch,
+                     ((m * n + m * k) * COLUMN_CAST_BYTES + k * n * RESCALE_BYTES) * batch)
+        else:
+            weight_elements = k * n * batch if weights_each_forward else 0
+            row_wise = within_any(row.module, row_parallel)
+            input_cast = m * k // (1 if row_wise else sp_tp)  # a gathered input is cast as the rank's shard
+            gradient_cast = m * n // (sp_tp if row_wise else 1)  # likewise a gathered output gradient
+            casts = ((input_cast + weight_elements) * per_element, gradient_cast * per_element, 0)
+        rows.append(row.with_ops(fp8(row.forward, casts[0]),
+                                 [fp8(op, casts[1] if op.gemm_mkn else 0) for op in row.input_grad],
+                                 [fp8(op, casts[2] if op.gemm_mkn else 0) for op in row.weight_grad]))
         weights += k * n * row.forward.gemm_batch
         modules.add(row.module)
     removed = workload.saved_bytes - sum(r.saved_bytes for r in rows if isinstance(r, NodeRow))
     return replace(workload, rows=rows, fp8_weight_elements=weights, fp8_modules=frozenset(modules),
-                   fp8_weights_kept=not weights_each_forward,
+                   fp8_weights_kept=not weights_each_forward, fp8_gathers_cast=not rowwise,
                    step_peak_bytes=max(workload.step_peak_bytes - removed, 0),
                    activation_peak_bytes=max(workload.activation_peak_bytes - removed, 0))
 

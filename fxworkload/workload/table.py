@@ -124,6 +124,9 @@ class Workload:
     # --fp8: the weights' FP8 copies are made once a step and kept (Transformer Engine); False: cast in every
     # forward and dropped (torchao's dynamic scaling)
     fp8_weights_kept: bool = True
+    # --fp8: the sequence-parallel all-gathers into the FP8 linears move FP8 (fp8_tp_gathers); False: 16-bit,
+    # torchao's row-wise recipe runs regular tensor parallelism and casts after the gather
+    fp8_gathers_cast: bool = True
     stack: str = "eager"  # the execution stack the rows are costed as (workload/stacks.py)
 
     @classmethod
@@ -148,8 +151,10 @@ class Workload:
         block's input before its all-gather (PrepareFloat8ModuleInput) and a row-parallel output's gradient
         before the backward's (Float8RowwiseParallel: "fwd noop bwd cast"); Transformer Engine quantizes the
         norm's output before LayerNormLinear's all-gather and gathers grad_output with its quantizer
-        (transformer_engine/pytorch/module/base.py, grad_output_preprocess). The reduce-scatters stay 16-bit."""
-        return bool(self.fp8_modules)
+        (transformer_engine/pytorch/module/base.py, grad_output_preprocess). The reduce-scatters stay 16-bit.
+        torchao's row-wise recipe gathers in 16 bits (torchtitan: 'float8 all-gather with TP is only supported for
+        tensorwise')."""
+        return bool(self.fp8_modules) and self.fp8_gathers_cast
 
     @property
     def node_rows(self) -> list[NodeRow]:

@@ -193,3 +193,57 @@ def test_torchaos_casts_under_compile_are_generated_kernels(tiny_dirs):
         cast_elements = m * k + (k * n if recipe == "torchao" else 0)
         cast_ns = memory_ns(cast_elements * RECIPE_CAST_BYTES[recipe], facts, model, casts=True)
         assert row.forward.estimated_ns - gpu_op_ns(row.forward, h100, "fp8") == pytest.approx(cast_ns * factor)
+
+
+def test_torchaos_rowwise_recipe_casts_each_gemms_operands_from_16_bits(tiny_dirs):
+    """By hand from torchao's row-wise recipe (float8_linear.py matmul_with_hp_or_float8_args; float8_ops.py
+    addmm_float8_unwrapped), per decoder linear (m tokens x k in, k x n weight), over the bf16 step's bytes:
+    the forward GEMM casts its input and weight along k, each row in one pass (3 bytes an element); the
+    input-gradient GEMM casts the output gradient along n (3), the weight along n down its columns (read twice,
+    written once: 5), and scales its 16-bit m x k output after cuBLAS (read and written: 4); the weight-gradient
+    GEMM casts the output gradient and the input along m down their columns (5 each) and scales its k x n output
+    (4). Backward keeps the 16-bit input (ctx.save_for_backward(input_hp, ...)): the saved bytes are bf16's,
+    where the tensor-wise recipe saves one byte less an element of each linear's input."""
+    args = dict(batch=2, seq=32, dtype="bf16", device="h100-sxm")
+    bf16 = extract(str(tiny_dirs["llama"]), **args)
+    tensorwise, rowwise = (extract(str(tiny_dirs["llama"]), fp8=True, fp8_recipe=recipe, **args)
+                           for recipe in ("torchao", "torchao-rowwise"))
+    checked = 0
+    for plain, row in zip(bf16.workload.node_rows, rowwise.workload.node_rows):
+        if row.forward.gemm_dtype != "fp8":
+            continue
+        m, k, n = row.forward.gemm_mkn
+        dgrad, wgrad = ([(a.bytes - b.bytes) for a, b in zip(row.ops(phase), plain.ops(phase)) if a.gemm_mkn]
+                        for phase in ("input_grad", "weight_grad"))
+        assert row.forward.bytes - plain.forward.bytes == 3 * (m * k + k * n)
+        assert dgrad == [3 * m * n + 5 * k * n + 4 * m * k]
+        assert wgrad == [5 * (m * n + m * k) + 4 * k * n]
+        checked += 1
+    assert checked == LAYERS * 7
+    assert rowwise.workload.saved_bytes == bf16.workload.saved_bytes > tensorwise.workload.saved_bytes
+    assert rowwise.memory.fp8_weights_bytes == 0 and not rowwise.workload.fp8_tp_gathers
+    assert tensorwise.workload.fp8_tp_gathers
+
+
+def test_rowwise_gathers_stay_16_bit_and_refuse_an_fp8_fsdp_gather(tiny_dirs):
+    """torchtitan runs regular tensor parallelism with the row-wise recipes ('float8 all-gather with TP is only
+    supported for tensorwise'): with TP 2 and sequence parallelism the block's all-gathers move bf16, 2 bytes an
+    element as without FP8, and the casts are of the gathered, whole tensors; torchao's FSDP float8 all-gather is
+    refused with a recipe name (torchtitan's float8 converter: 'not supported')."""
+    args = dict(batch=2, seq=32, dtype="bf16", device="h100-sxm", parallel=Parallel(tp=2, sp=True))
+    bf16, rowwise = (extract(str(tiny_dirs["llama"]), **args, **extra)
+                     for extra in ({}, dict(fp8=True, fp8_recipe="torchao-rowwise")))
+
+    def gathers(run):
+        return sorted(c.bytes for u in run.rank.units for ph in ("forward", "input_grad") for c in u.comms[ph]
+                      if c.type == "ALLGATHER" and c.group == "tp")
+
+    assert gathers(rowwise) == gathers(bf16) and gathers(bf16)
+    q_proj = next(r for r in rowwise.workload.node_rows if r.module.endswith("layers.0.self_attn.q_proj")
+                  and r.forward.gemm_mkn)
+    plain = next(r for r in bf16.workload.node_rows if r.name == q_proj.name)
+    m, k, n = q_proj.forward.gemm_mkn
+    assert m == 2 * 32 and q_proj.forward.bytes - plain.forward.bytes == 3 * (m * k + k * n)  # the whole gathered input
+    with pytest.raises(UserError, match="tensor-wise only"):
+        extract(str(tiny_dirs["llama"]), seq=32, dtype="bf16", device="h100-sxm", fp8=True,
+                fp8_recipe="torchao-rowwise", parallel=Parallel(dp=2, zero=3, fp8_param_gather=True))
