@@ -42,8 +42,7 @@ from ..cost.devices import DeviceProfile
 from ..cost.topology import Topology
 from ..errors import UserError
 from ..memo import Memo
-from ..parallel.layout import Parallel
-from ..parallel.units import POST_FORWARD
+from ..parallel.layout import POST_FORWARD, Parallel
 
 if TYPE_CHECKING:  # a type only: the units import torch, and plan's "why" reads this module without it
     from ..parallel.units import Comm

@@ -41,7 +41,7 @@ from ..capture.trace import FORWARD, INPUT_GRAD, WEIGHT_GRAD
 from ..errors import UserError
 from ..parallel.collectives import (ALLGATHER, NONE, gathered_for, micro_batch_kind, micro_batch_scatters,
                                     post_forward_copies)
-from ..parallel.units import POST_FORWARD
+from ..parallel.layout import POST_FORWARD
 
 MAX_RANKS = 1024  # one file per rank: past this the folder is larger than any simulator run wants
 COMM_TYPES = {"ALLREDUCE": "ALL_REDUCE", "ALLGATHER": "ALL_GATHER", "REDUCESCATTER": "REDUCE_SCATTER",

@@ -23,9 +23,9 @@ from operator import attrgetter
 
 from ..capture.trace import FORWARD, INPUT_GRAD, WEIGHT_GRAD
 from ..memo import Memo
-from .layout import Parallel
+from .layout import POST_FORWARD, Parallel
 from .recompute import is_recomputed
-from .units import EMBEDDING, HEAD, LAYER, POST_FORWARD, Comm, Unit, is_expert
+from .units import EMBEDDING, HEAD, LAYER, Comm, Unit, is_expert
 
 ALLREDUCE, ALLGATHER, REDUCESCATTER, ALLTOALL = "ALLREDUCE", "ALLGATHER", "REDUCESCATTER", "ALLTOALL"
 LOSS_BYTES_PER_TOKEN = 4  # Megatron's vocab-parallel cross entropy reduces fp32 values

@@ -9,6 +9,9 @@ from ..limits import MAX_BUCKET_MB, MAX_MICRO_BATCHES, MAX_VOCAB_MULTIPLE, MAX_W
 
 
 CUDA_GRAPH_SCOPES = ("none", "layers", "step")  # --cuda-graphs: eager, per decoder layer, the whole step
+# the group a ZeRO 3 unit's backward gather runs over where its parameters stayed sharded over N ranks of the
+# data-parallel group between its forward and backward (FSDP2's reshard_after_forward=N: Parallel.post_forward_ranks)
+POST_FORWARD = "dp_post_forward"
 
 
 @dataclass(frozen=True)

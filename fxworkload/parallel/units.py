@@ -19,15 +19,10 @@ from ..workload.table import GradRow, NodeRow, Workload
 EMBEDDING, ATTENTION, MLP, LAYER, HEAD = "embedding", "attention", "mlp", "layer", "head"
 
 
-# the ranks a ZeRO 3 unit's parameters stay sharded over between its forward and backward, whose gather runs
-# over them (FSDP2's reshard_after_forward=N: Parallel.post_forward_ranks)
-POST_FORWARD = "dp_post_forward"
-
-
 @dataclass(frozen=True)
 class Comm:
     type: str  # ALLREDUCE, ALLGATHER, REDUCESCATTER, ALLTOALL
-    group: str  # tp, cp, ep, dp, dp_ep, or POST_FORWARD
+    group: str  # tp, cp, ep, dp, dp_ep, or layout.POST_FORWARD
     bytes: int  # the collective's whole buffer, as SimAI and NCCL count it
     what: str  # why it happens, for timelines
     overlapped: bool = False  # runs beside the unit's attention core (CP's ring): only what outlasts it is exposed
