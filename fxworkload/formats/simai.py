@@ -138,9 +138,9 @@ def step_units(rank: RankWorkload) -> list[Unit]:
         first = chunk not in seen
         seen.add(chunk)
         for unit in with_dp[chunk]:
-            if unit.block != "dp" or p.zero == 3:
-                out += _micro_batch_rows(unit, micro_batch_kind(p, micro_batch)) if p.zero == 3 else [unit]
-            elif first:
+            if p.zero == 3:
+                out += _micro_batch_rows(unit, micro_batch_kind(p, micro_batch))
+            elif first or unit.block != "dp":
                 out.append(unit)
     return out
 
