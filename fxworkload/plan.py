@@ -91,9 +91,11 @@ class Systems:
         return System(device, self.topology)
 
 
-def candidate_layouts(run: Run, facts, gpus_per_node: int) -> tuple[dict, dict[str, int]]:
+def candidate_layouts(run: Run, facts, gpus_per_node: int, domain_gpus: int | None = None
+                      ) -> tuple[dict, dict[str, int]]:
     """Shape -> its layouts (Parallel), and how many combinations each rule turned away. With the run's
-    ``seq``, a tp whose sequence parallelism cannot split the sequence is turned away too."""
+    ``seq``, a tp whose sequence parallelism cannot split the sequence is turned away too. ``domain_gpus``:
+    the GPUs an NVLink domain joins (default: a node's), which ZeRO 3's reshard_after_forward=N tries as N."""
     from .parallel.layout import Parallel
 
     gpus, global_batch, seq = run.gpus, run.global_batch, run.seq
@@ -136,14 +138,32 @@ def candidate_layouts(run: Run, facts, gpus_per_node: int) -> tuple[dict, dict[s
                 if vpp > 1 and (pp == 1 or not fits_chunks or m % pp):
                     dropped["virtual stages do not divide the layers or micro-batches"] += 1
                     continue
-                for share, layers in _offloads(run.offload, zero, pp, recompute, facts.layers):
+                tries = itertools.product(_offloads(run.offload, zero, pp, recompute, facts.layers),
+                                          fsdp2_options(zero, dp * cp, tp, ep, m, domain_gpus or gpus_per_node))
+                for (share, layers), (reshard, summed) in tries:
                     groups.setdefault(Shape(tp, ep, b, cp), []).append(Parallel(
                         dp=dp, tp=tp, pp=pp, ep=ep, cp=cp, sp=tp > 1, micro_batches=m, zero=zero, recompute=recompute,
                         vpp=vpp, vocab_multiple=vocab_multiple, pp_layers=pp_layers,
                         overlap_param_gather=run.overlap_param_gather and zero in (1, 2),
                         tp_comm_overlap=run.tp_comm_overlap and tp > 1, optimizer_offload=share,
-                        activation_offload_layers=layers, cuda_graphs=run.cuda_graphs, ep_comm=run.ep_comm))
+                        activation_offload_layers=layers, cuda_graphs=run.cuda_graphs, ep_comm=run.ep_comm,
+                        reshard_after_forward=reshard, accumulate_unsharded=summed))
     return groups, dropped
+
+
+def fsdp2_options(zero: int, replicas: int, tp: int, ep: int, micro_batches: int, domain_gpus: int
+                  ) -> list[tuple[bool | int, bool]]:
+    """(reshard_after_forward, accumulate_unsharded) to try for one layout: under ZeRO 3, FSDP2's choices a run
+    makes for its memory and network (parallel/layout.py): the gathered parameters freed after forward (its
+    default), kept to backward (False), or kept sharded over an NVLink domain's ranks (N, where FSDP2 allows it:
+    no tensor- or expert-parallel DTensors, N dividing a data-parallel group wider than N); with gradient
+    accumulation, each of those with the gradients summed unsharded until the last micro-batch too."""
+    if zero != 3:
+        return [(True, False)]
+    reshards: list[bool | int] = [True, False]
+    if tp == 1 and ep == 1 and 2 <= domain_gpus < replicas and replicas % domain_gpus == 0:
+        reshards.append(domain_gpus)
+    return list(itertools.product(reshards, (False, True) if micro_batches > 1 else (False,)))
 
 
 def _offloads(offload: bool, zero: int, pp: int, recompute: str, layers: int) -> list[tuple[float, int]]:
@@ -239,7 +259,7 @@ STEP_FIGURES = ("parts_ms", "step_ms", "mfu", "hfu", "step_low_ms", "step_high_m
                 "tokens_per_s_per_gpu", "bubble", "exposed_gather_ms", "slowest_gpu_step_ms")
 _ROW_KEYS = {"device", "tp", "cp", "pp", "pp_layers", "dp", "ep", "sp", "vpp", "zero", "fp8", "recompute",
              "recompute_layers", "micro_batch", "micro_batches", "optimizer_offload", "activation_offload_layers",
-             "peak_bytes", "fits",
+             "reshard_after_forward", "accumulate_unsharded", "peak_bytes", "fits",
              *STEP_FIGURES}
 
 
@@ -358,7 +378,7 @@ def _plan(run: Run, systems: Systems, workers, ray, progress, early) -> dict:
     check_positions(facts, seq)  # every CP degree's ranks together hold the whole sequence
     groups, dropped = {}, {}
     for profile in profiles:
-        found, turned = candidate_layouts(run, facts, profile.gpus_per_node)
+        found, turned = candidate_layouts(run, facts, profile.gpus_per_node, profile.network().nvlink_domain_gpus)
         groups.update({(profile.name, shape): layouts for shape, layouts in found.items()})
         dropped = {why: dropped.get(why, 0) + count for why, count in turned.items()}
     if not groups:
@@ -382,13 +402,14 @@ def _plan(run: Run, systems: Systems, workers, ray, progress, early) -> dict:
 
 def _order(row: dict) -> tuple:
     """A total order among layouts of equal time: the same ranking on every run and machine."""
-    return tuple(str(row[k]) for k in ("device", "tp", "cp", "pp", "vpp", "dp", "ep", "zero", "recompute",
-                                       "micro_batch"))
+    return tuple(str(row.get(k)) for k in ("device", "tp", "cp", "pp", "vpp", "dp", "ep", "zero", "recompute",
+                                           "micro_batch", "reshard_after_forward", "accumulate_unsharded"))
 
 
 CHOICES = ("device", "tp", "cp", "pp", "vpp", "ep", "zero", "recompute", "micro_batch", "optimizer_offload",
-           "activation_offload_layers")
+           "activation_offload_layers", "reshard_after_forward", "accumulate_unsharded")
 OFFLOADS = ("optimizer_offload", "activation_offload_layers")
+FSDP2_CHOICES = ("reshard_after_forward", "accumulate_unsharded")  # ZeRO 3's only (fsdp2_options)
 TIE_MS = 0.5  # step times closer than this are a tie: the summary prints whole milliseconds
 
 
@@ -400,20 +421,27 @@ def rank_key(row: dict) -> tuple:
 
 def _simplicity(row: dict) -> tuple:
     dimensions = sum(1 for k in ("tp", "cp", "pp", "ep") if row.get(k, 1) > 1)
+    reshard = row.get("reshard_after_forward", True)  # FSDP2's default first, then kept, then an int
     return (dimensions, row["zero"], RECOMPUTE.index(row["recompute"]) if row["recompute"] in RECOMPUTE else
-            len(RECOMPUTE), row["vpp"], row.get("optimizer_offload", 0.0), row.get("activation_offload_layers", 0))
+            len(RECOMPUTE), row["vpp"], row.get("optimizer_offload", 0.0), row.get("activation_offload_layers", 0),
+            0 if reshard is True else 1 if reshard is False else 2, row.get("accumulate_unsharded", False))
 
 
 def why_best(ranked: list[dict]) -> list[str]:
     """Why the best layout wins, one line per decision: against the fastest layout that differs from it in
-    that choice alone (tp, cp, pp, vpp, ep, ZeRO, recomputation, micro-batch, device), the parts of the step
-    that make the difference, or, where the two tie, the memory or simplicity that decided."""
+    that choice alone (tp, cp, pp, vpp, ep, ZeRO, recomputation, micro-batch, device, FSDP2's options), the parts
+    of the step that make the difference, or, where the two tie, the memory or simplicity that decided. Where no
+    layout differs in that choice alone because FSDP2's options exist only beside some choices (ZeRO 3, tp 1),
+    the fastest that differs in it and in those options."""
     if not ranked:
         return []
     best, lines = ranked[0], []
     for choice in (c for c in CHOICES if c in best):
-        other = next((r for r in ranked[1:] if r.get(choice) != best[choice]
-                      and all(r.get(c) == best.get(c) for c in CHOICES if c != choice)), None)
+        others = [r for r in ranked[1:] if r.get(choice) != best[choice]]
+        other = next((r for r in others if all(r.get(c) == best.get(c) for c in CHOICES if c != choice)), None)
+        if other is None and choice not in FSDP2_CHOICES:  # e.g. tp 2 against reshard 8, which FSDP2 refuses there
+            other = next((r for r in others if all(r.get(c) == best.get(c) for c in CHOICES
+                                                   if c != choice and c not in FSDP2_CHOICES)), None)
         if other is not None:
             lines.append(f"{choice} {best[choice]} over {other[choice]}: " + _difference(best, other, choice))
     return lines
@@ -434,13 +462,15 @@ def _difference(best: dict, other: dict, choice: str) -> str:
 def fsdp_lines(ranked: list[dict]) -> list[str]:
     """What FSDP costs the fastest ZeRO 3 layout (FSDP2 as cluster/zero3.py runs it): the compute waiting for
     parameter gathers, the copy kernels on the compute stream and the GPU waiting on the host, against its step."""
+    from .formats.plan_text import fsdp2_text
+
     best = next((r for r in ranked if r.get("zero") == 3), None)
     if best is None:
         return []
     rank = ranked.index(best) + 1
     parts = best["parts_ms"]
     return [f"fsdp: the best ZeRO 3 layout (#{rank}: tp {best['tp']} cp {best['cp']} pp {best['pp']} dp {best['dp']}, "
-            f"recompute {best['recompute']}, mbs {best['micro_batch']}) waits {parts['zero gathers']:.0f} ms for "
+            f"recompute {best['recompute']}, mbs {best['micro_batch']}, {fsdp2_text(best)}) waits {parts['zero gathers']:.0f} ms for "
             f"parameter gathers, spends {parts.get('fsdp copies', 0.0):.0f} ms in FSDP2's copy kernels and "
             f"{parts.get('host', 0.0):.0f} ms waiting on the host's dispatch of its {best['step_ms']:.0f} ms step"]
 
@@ -502,8 +532,9 @@ def network_lines(best: list[dict], profiles) -> list[str]:
     per_domain = ranks // domains
     capped = " (capped by NVLink)" if bus * 1e9 >= nvlink_bus_bytes_per_s(topology) * 0.999 and per_domain > 1 else ""
     unit = "node" if topology.nvlink_domain_gpus == topology.gpus_per_node else "NVLink domain"
-    return [f"network: dp {ranks} over {domains} {unit}s uses {per_domain} NIC{'s' if per_domain > 1 else ''} a "
-            f"{unit}: {bus:.0f} GB/s{capped}"]
+    share_gbs = topology.nic_share_bytes_per_s / 1e9  # a GPU's share of its node's NICs, whatever their count
+    return [f"network: dp {ranks} over {domains} {unit}s, {per_domain} rank{'s' if per_domain > 1 else ''} a {unit}, "
+            f"each with one GPU's share of its node's NICs ({share_gbs:.1f} GB/s): {bus:.0f} GB/s{capped}"]
 
 
 def check_cp_degrees(cp) -> tuple[int, ...]:
@@ -688,7 +719,8 @@ def _layout_fields(p, device: str, shape, fp8: bool) -> dict:
             "vpp": p.vpp, "zero": p.zero, "fp8": fp8, "recompute": p.recompute,
             "recompute_layers": p.recompute_layers, "micro_batch": shape.micro_batch,
             "micro_batches": p.micro_batches, "optimizer_offload": p.optimizer_offload,
-            "activation_offload_layers": p.activation_offload_layers}
+            "activation_offload_layers": p.activation_offload_layers,
+            "reshard_after_forward": p.reshard_after_forward, "accumulate_unsharded": p.accumulate_unsharded}
 
 
 def _number(value) -> bool:

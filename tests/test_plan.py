@@ -30,6 +30,11 @@ def four_layers(tmp_path_factory):
     return str(folder)
 
 
+# what tells one plan row's layout from another's on one device
+LAYOUT_FIELDS = ("tp", "pp", "dp", "zero", "recompute", "micro_batch", "vpp", "reshard_after_forward",
+                 "accumulate_unsharded")
+
+
 def test_every_layout_divides_the_gpus_and_the_batch(four_layers):
     from fxworkload.plan import _facts
 
@@ -56,6 +61,40 @@ def test_a_shapes_rows_are_the_cluster_step_of_each_layout(four_layers, cp):
         result = extract(four_layers, batch=1, seq=16, dtype="bf16", device="h100-sxm", parallel=p)
         assert row["step_ms"] == pytest.approx(result.cluster.step_ns / 1e6)
         assert row["mfu"] == pytest.approx(result.cluster.mfu)
+        assert row["peak_bytes"] == max(
+            extract(four_layers, batch=1, seq=16, dtype="bf16", device="h100-sxm",
+                    parallel=Parallel(**{**vars(p), "stage": s})).memory.total_peak_bytes for s in (0, 1))
+
+
+def test_fsdp2_options_are_the_ones_fsdp2_accepts():
+    """By hand, from FSDP2's rules (torch/distributed/fsdp/_fully_shard/_fsdp_init.py _get_post_forward_mesh_info:
+    an int reshard_after_forward divides the shard mesh, and DTensor parameters refuse it): ZeRO 3 on 16 ranks, tp 1,
+    4 micro-batches, 8-GPU domains tries freed, kept and 8-rank shards, each with and without summed gradients; tp 2,
+    a group no wider than a domain, or one micro-batch drop what each rules out; ZeRO 0-2 has none of them."""
+    from fxworkload.plan import fsdp2_options
+
+    assert fsdp2_options(3, 16, 1, 1, 4, 8) == [(True, False), (True, True), (False, False), (False, True),
+                                                (8, False), (8, True)]
+    assert fsdp2_options(3, 16, 2, 1, 4, 8) == [(True, False), (True, True), (False, False), (False, True)]
+    assert fsdp2_options(3, 16, 1, 2, 1, 8) == [(True, False), (False, False)]
+    assert fsdp2_options(3, 8, 1, 1, 1, 8) == [(True, False), (False, False)]
+    assert fsdp2_options(3, 12, 1, 1, 1, 8) == [(True, False), (False, False)]  # 8 does not divide 12
+    assert all(fsdp2_options(zero, 16, 1, 1, 4, 8) == [(True, False)] for zero in (0, 1, 2))
+
+
+def test_a_shapes_fsdp2_rows_are_each_layouts_own_extract(four_layers):
+    """The search's FSDP2 variants (kept parameters, 2-rank post-forward shards, gradients summed unsharded), each
+    row against its own extract with that Parallel: nothing the search shares between the variants leaks."""
+    layouts = [Parallel(dp=4, pp=2, micro_batches=4, zero=3, reshard_after_forward=reshard, accumulate_unsharded=summed)
+               for reshard in (True, False, 2) for summed in (False, True)]
+    rows = evaluate_shape(four_layers, Shape(1, 1, 1), layouts, BF16_16, H100)
+    steps = {row["step_ms"] for row in rows}
+    assert len(steps) > 1  # the variants do differ
+    for row, p in zip(rows, layouts):
+        assert (row["reshard_after_forward"], row["accumulate_unsharded"]) == (p.reshard_after_forward,
+                                                                               p.accumulate_unsharded)
+        result = extract(four_layers, batch=1, seq=16, dtype="bf16", device="h100-sxm", parallel=p)
+        assert row["step_ms"] == pytest.approx(result.cluster.step_ns / 1e6)
         assert row["peak_bytes"] == max(
             extract(four_layers, batch=1, seq=16, dtype="bf16", device="h100-sxm",
                     parallel=Parallel(**{**vars(p), "stage": s})).memory.total_peak_bytes for s in (0, 1))
@@ -394,7 +433,7 @@ def test_plan_topology_slows_the_gradient_reduce_it_narrows(four_layers, tmp_pat
         assert run.returncode == 0, run.stderr
         runs[name] = json.loads((tmp_path / name / "plan.json").read_text())
     assert "topology" not in runs["own"] and runs["narrow"]["topology"].startswith("gpus-per-node=2")
-    key = lambda r: tuple(r[k] for k in ("tp", "pp", "dp", "zero", "recompute", "micro_batch", "vpp"))  # noqa: E731
+    key = lambda r: tuple(r[k] for k in LAYOUT_FIELDS)  # noqa: E731
     own = {key(r): r for r in runs["own"]["ranked"]}
     spanning = [r for r in runs["narrow"]["ranked"] if r["dp"] > 1 and r["tp"] * r["dp"] > 2 and key(r) in own]
     assert spanning and all(r["step_ms"] > own[key(r)]["step_ms"] for r in spanning)
@@ -422,7 +461,7 @@ def test_plan_overlap_options_hide_what_they_overlap(four_layers, tmp_path, flag
         assert run.returncode == 0, run.stderr
         runs[name] = json.loads((tmp_path / name / "plan.json").read_text())
     assert runs["overlapped"][key] is True and key not in runs["plain"]
-    fields = lambda r: tuple(r[k] for k in ("tp", "pp", "dp", "zero", "recompute", "micro_batch", "vpp"))  # noqa: E731
+    fields = lambda r: tuple(r[k] for k in LAYOUT_FIELDS)  # noqa: E731
     plain = {fields(r): r for r in runs["plain"]["ranked"]}
     pairs = [(r, plain[fields(r)]) for r in runs["overlapped"]["ranked"] if fields(r) in plain]
     assert any(applies(r) for r, _ in pairs)

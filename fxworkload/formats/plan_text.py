@@ -13,11 +13,22 @@ def offloaded(row: dict) -> bool:
     return bool(row.get("optimizer_offload") or row.get("activation_offload_layers"))
 
 
+def fsdp2_text(row: dict) -> str:
+    """A ZeRO 3 row's FSDP2 options as plan.txt names them: what its forward does with the gathered parameters
+    (reshard_after_forward: "reshard", "keep", "reshard N") and, where set, "summed" (accumulate_unsharded);
+    "-" for a row without ZeRO 3."""
+    if row.get("zero") != 3:
+        return "-"
+    reshard = row.get("reshard_after_forward", True)
+    named = "reshard" if reshard is True else "keep" if reshard is False else f"reshard {reshard}"
+    return named + (", summed" if row.get("accumulate_unsharded") else "")
+
+
 def plan_text(result: dict, top: int = 10) -> str:
     ranked = result["ranked"] if top <= 0 else result["ranked"][:top]
     several = "," in result["device"]
     rows = [[i + 1, *([r["device"]] if several else []), r["tp"], r["cp"], r["pp"], r["vpp"], r["dp"], r["ep"],
-             "on" if r["sp"] else "off", r["zero"], _recompute(r), r["micro_batch"], r["micro_batches"],
+             "on" if r["sp"] else "off", r["zero"], fsdp2_text(r), _recompute(r), r["micro_batch"], r["micro_batches"],
              f"{r['step_ms']:.1f}", f"{100 * r['mfu']:.1f}%", f"{r['tflops_per_gpu']:.0f}",
              f"{r['tokens_per_s_per_gpu']:,.0f}", f"{100 * r['bubble']:.1f}%",
              f"{r['exposed_gather_ms']:.1f}" if r["zero"] == 3 else "-",
@@ -38,7 +49,7 @@ def plan_text(result: dict, top: int = 10) -> str:
                    + dropped)
     why = "\n".join([*(f"why: {line}" for line in result.get("why", [])), *result.get("offload", [])])
     table = tabulate(rows, headers=["#", *(["device"] if several else []), "tp", "cp", "pp", "vpp", "dp", "ep", "sp",
-                                    "zero", "recompute", "mbs", "mb", "step_ms", "mfu", "tflops", "tok/s/gpu",
+                                    "zero", "fsdp2", "recompute", "mbs", "mb", "step_ms", "mfu", "tflops", "tok/s/gpu",
                                     "bubble", "zero3_gather_ms", "peak_gib", "~best"], tablefmt="simple")
     parts = [head, table if rows else "no layout fits in memory", why, dropped]
     return "\n\n".join(part for part in parts if part) + "\n"
