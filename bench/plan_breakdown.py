@@ -30,15 +30,16 @@ def main() -> None:
     gc.disable()
     facts = plan._facts("llama-3-70b", "bf16")
     profile = plan._plan_device("h100-sxm", False, "bf16")
-    groups, _ = plan.candidate_layouts(plan.Run("llama-3-70b", gpus=1024, global_batch=1024, seq=4096), facts,
-                                       profile.gpus_per_node)
+    run = plan.Run("llama-3-70b", gpus=1024, global_batch=1024, seq=4096)
+    groups, _ = plan.candidate_layouts(run, facts, profile.gpus_per_node, profile.network().nvlink_domain_gpus)
+    execution, system = plan._execution(run), plan.Systems((profile,)).system("h100-sxm")
     spent: collections.Counter = collections.Counter()
     for module, name in ((layers, "capture_training_step"), (pipeline, "extract"), (recompute, "with_recompute"),
                          (plan, "_peak_bytes"), (plan, "_step")):
         setattr(module, name, _timed(getattr(module, name), name, spent))
     started = time.perf_counter()
     for shape, layouts in sorted(groups.items(), key=lambda kv: -len(kv[1])):
-        plan._evaluate(("llama-3-70b", ("h100-sxm", shape), layouts, 4096, "bf16", "eager", False, None))
+        plan._evaluate(("llama-3-70b", ("h100-sxm", shape), layouts, execution, system))
     total = time.perf_counter() - started
     stages = {"traces (make_fx)": spent["capture_training_step"],
               "rest of the captures": spent["extract"] - spent["capture_training_step"],

@@ -78,7 +78,10 @@ def main() -> None:
 def _describe(row: dict | None) -> str:
     if row is None:
         return "none fits"
-    return (f"tp{row['tp']} cp{row['cp']} pp{row['pp']} vpp{row['vpp']} dp{row['dp']} zero{row['zero']} "
+    from fxworkload.formats.plan_text import fsdp2_text
+
+    fsdp2 = f" ({fsdp2_text(row)})" if row["zero"] == 3 else ""
+    return (f"tp{row['tp']} cp{row['cp']} pp{row['pp']} vpp{row['vpp']} dp{row['dp']} zero{row['zero']}{fsdp2} "
             f"{row['recompute']} mbs{row['micro_batch']}: {row['step_ms'] / 1e3:.2f} s, {row['tflops_per_gpu']:.0f} "
             f"TFLOP/s/GPU, {row['peak_bytes'] / 2 ** 30:.0f} GiB")
 

@@ -248,7 +248,7 @@ def extract(model: str, execution: Execution | None = None, system: System | Non
         say(f"read the captured step from the cache ({graph_cache.path_of(cache_key)})")
         workload, seq, facts = cached.workload, cached.seq, cached.facts
     else:
-        workload, seq, facts = _capture(model, execution, gpu, every_layer, say)
+        workload, seq, facts = _capture(model, execution, seq, gpu, every_layer, say)
         say(f"captured {len(workload.ops())} ops in {time.perf_counter() - start:.1f} s")
         if use_cache:
             graph_cache.save(cache_key, graph_cache.CachedStep(workload=workload, seq=seq, facts=facts))
@@ -334,9 +334,9 @@ def _raw_config(path) -> dict:
     return data if isinstance(data, dict) else {"not_an_object": str(path)}
 
 
-def _capture(model, execution: Execution, gpu, every_layer, say):
+def _capture(model, execution: Execution, seq: int | None, gpu, every_layer, say):
     """Resolve with transformers, check the layout, and capture the rank's step: (workload, the tokens of its
-    sequence, facts); without the execution's sequence, the model's own."""
+    sequence, facts); ``seq``: the rank's tokens (extract's, from Execution.seq_per_rank); None, the model's own."""
     from .capture import models
     from .capture.models import step_seq
     from .capture.trace import capture_training_step
@@ -347,7 +347,6 @@ def _capture(model, execution: Execution, gpu, every_layer, say):
     from .workload.table import build
 
     parallel, dtype, stack, batch = execution.parallel, execution.dtype, execution.stack, execution.batch
-    seq = None if execution.seq is None else execution.seq_per_rank
     spec = _with_padded_vocab(models.resolve(model), parallel.vocab_multiple, parallel.tp)
     if not execution.dropout:
         spec = models.spec_without_dropout(spec)

@@ -584,20 +584,39 @@ def _zero3_groups(units: list[Unit], phase: str, p: Parallel, device: DeviceProf
 def _zero3_groups_of(units: list[Unit], phase: str, p: Parallel, device: DeviceProfile, param_itemsize: int,
                      grad_itemsize: int, fp8_modules: frozenset, kind: str) -> list[Group]:
     groups = []
-    for members in fsdp_units(units):  # the same units and collectives as the rank's ZeRO 3 rows (collectives.py)
-        phases = (FORWARD,) if phase == FORWARD else (INPUT_GRAD, WEIGHT_GRAD)
-        compute = sum(u.costs[ph][0] for u in members for ph in phases) + sum(
-            _comms_ns(u, phase, p, device) for u in members)
-        gathers, scatters = fsdp_comms(members, p, param_itemsize, grad_itemsize, fp8_modules)
+    for compute, gathers, scatters in _zero3_units(units, phase, p, device, param_itemsize, grad_itemsize, fp8_modules):
         kept = post_forward_copies(gathers, p) if phase == FORWARD else []  # reshard_after_forward=N
         gathers = gathers if phase == FORWARD else backward_gathers(gathers, p)
         gathered = phase == FORWARD or p.reshard_after_forward  # reshard_after_forward=False: the forward's stay
         gather = sum(comm_ns(c, p, device) for c in gathers) if gathered else 0.0
-        scatters = [] if phase == FORWARD else [x for c in scatters for x in micro_batch_scatters(c, kind)]
+        scatters = [] if phase == FORWARD else micro_batch_scatters(scatters, kind)
         scatter = sum(comm_ns(c, p, device) for c in scatters if c.type != NONE)
         groups.append(Group(compute_ns=compute, gather_ns=gather, reduce_scatter_ns=scatter,
                             copy_ns=copy_kernels_ns((gathers if gathered else []) + scatters + kept, device)))
     return groups if phase == FORWARD else groups[::-1]
+
+
+_ZERO3_UNITS = Memo(4096)
+
+
+def _zero3_units(units: list[Unit], phase: str, p: Parallel, device: DeviceProfile, param_itemsize: int,
+                 grad_itemsize: int, fp8_modules: frozenset) -> list[tuple[float, list, list]]:
+    """Per FSDP unit of a chunk (collectives.fsdp_units, the same units and collectives as the rank's ZeRO 3
+    rows), its pass's compute with its blocking collectives, its parameter gathers and its gradient
+    reduce-scatters: what FSDP2's options (reshard_after_forward, accumulate_unsharded) then change, computed once
+    for all of them in a layout search."""
+    key = (id(units), phase, p.replicas, p.dp // p.ep, p.ep, p.tp, p.cp, p.cp_comm, p.sp, param_itemsize,
+           grad_itemsize, fp8_modules, id(device))
+
+    def made() -> list[tuple[float, list, list]]:
+        phases = (FORWARD,) if phase == FORWARD else (INPUT_GRAD, WEIGHT_GRAD)
+        out = []
+        for members in fsdp_units(units):
+            compute = sum(u.costs[ph][0] for u in members for ph in phases) + sum(
+                _comms_ns(u, phase, p, device) for u in members)
+            out.append((compute, *fsdp_comms(members, p, param_itemsize, grad_itemsize, fp8_modules)))
+        return out
+    return _ZERO3_UNITS.get(key, (units, device), made)
 
 
 def copy_kernels_ns(comms: list, device: DeviceProfile | None) -> float:

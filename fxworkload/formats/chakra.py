@@ -237,7 +237,7 @@ def _rank_nodes(pb, cluster, rank: int, groups: dict) -> list:
                 _copy_node(b, pb, f"mb{mb} {members[0].name} FSDP2 post-forward reshard",
                            post_forward_copies(list(group[1]), p), cluster)
             if not forward:  # --accumulate-unsharded: only the last micro-batch reduce-scatters (the sum)
-                scatters = [x for c in scatters for x in micro_batch_scatters(c, micro_batch_kind(p, mb))]
+                scatters = micro_batch_scatters(scatters, micro_batch_kind(p, mb))
                 _copy_node(b, pb, f"mb{mb} {members[0].name} FSDP2 copy-in", scatters, cluster)
                 for c in (c for c in scatters if c.type != NONE):
                     issue(mb, c, members[0], list(b.last))

@@ -152,7 +152,7 @@ def _micro_batch_rows(unit: Unit, kind: str) -> list[Unit]:
     scatters = [c for c in unit.comms[PHASES[2]] if c.type == REDUCESCATTER] if unit.block == "dp" else []
     if not scatters or kind == EVERY:
         return [unit]
-    comms = [x for c in scatters for x in micro_batch_scatters(c, kind)]
+    comms = micro_batch_scatters(scatters, kind)
     return [replace(unit, comms={**unit.comms, PHASES[2]: comms})] if comms else []
 
 

@@ -234,7 +234,13 @@ def micro_batch_kinds(p: Parallel) -> list[tuple[str, int]]:
     return list(counts.items())
 
 
-def micro_batch_scatters(scatter: Comm, kind: str) -> list[Comm]:
+def micro_batch_scatters(scatters: list[Comm], kind: str) -> list[Comm]:
+    """What an FSDP unit's gradient reduce-scatters become in a backward of ``kind`` (_micro_batch_scatter), in
+    order: the one rule the step, the SimAI rows and the Chakra traces share."""
+    return [kernel for scatter in scatters for kernel in _micro_batch_scatter(scatter, kind)]
+
+
+def _micro_batch_scatter(scatter: Comm, kind: str) -> list[Comm]:
     """What one FSDP unit's gradient reduce-scatter (fsdp_comms: its buffer e·g bytes, its copy-in e·(p + g),
     e elements of the reduce dtype's g bytes read from the parameters' p) becomes in a backward of ``kind``,
     as FSDP2 runs a backward without gradient sync (torch/distributed/fsdp/_fully_shard: _fsdp_param_group.py

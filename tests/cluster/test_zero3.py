@@ -121,15 +121,15 @@ def test_unsharded_accumulation_moves_what_fsdp2s_source_says():
     def kernels(comms):
         return [(c.type, c.bytes, c.copy_bytes) for c in comms]
 
-    assert kernels(micro_batch_scatters(mixed, EVERY)) == [(REDUCESCATTER, 4 * elements, 6 * elements)]
-    assert kernels(micro_batch_scatters(mixed, FIRST)) == [(NONE, 0, 6 * elements)]
-    assert kernels(micro_batch_scatters(mixed, MIDDLE)) == [(NONE, 0, 10 * elements)]
-    assert kernels(micro_batch_scatters(mixed, LAST)) == [(NONE, 0, 10 * elements),
-                                                          (REDUCESCATTER, 4 * elements, 8 * elements)]
-    assert kernels(micro_batch_scatters(plain, FIRST)) == []
-    assert kernels(micro_batch_scatters(plain, MIDDLE)) == [(NONE, 0, 6 * elements)]
-    assert kernels(micro_batch_scatters(plain, LAST)) == [(NONE, 0, 6 * elements),
-                                                          (REDUCESCATTER, 2 * elements, 4 * elements)]
+    assert kernels(micro_batch_scatters([mixed], EVERY)) == [(REDUCESCATTER, 4 * elements, 6 * elements)]
+    assert kernels(micro_batch_scatters([mixed], FIRST)) == [(NONE, 0, 6 * elements)]
+    assert kernels(micro_batch_scatters([mixed], MIDDLE)) == [(NONE, 0, 10 * elements)]
+    assert kernels(micro_batch_scatters([mixed], LAST)) == [(NONE, 0, 10 * elements),
+                                                            (REDUCESCATTER, 4 * elements, 8 * elements)]
+    assert kernels(micro_batch_scatters([plain], FIRST)) == []
+    assert kernels(micro_batch_scatters([plain], MIDDLE)) == [(NONE, 0, 6 * elements)]
+    assert kernels(micro_batch_scatters([plain], LAST)) == [(NONE, 0, 6 * elements),
+                                                            (REDUCESCATTER, 2 * elements, 4 * elements)]
 
 
 def test_accumulating_unsharded_reduce_scatters_once_and_adds_its_kernels(tiny_dirs):
