@@ -342,6 +342,25 @@ def test_why_the_best_wins_names_the_parts_that_differ():
     assert why_best([best, both, other]) == lines
 
 
+def test_a_choice_fsdp2_options_exist_beside_only_is_set_against_the_fastest_differing_in_them_too():
+    """By hand: the best is ZeRO 3 resharding to 8 ranks at tp 1, which FSDP2 allows only there; the fastest tp 2
+    layout can only free its parameters after forward. Its tp line still comes, against that layout; the reshard
+    line against the same tp 1 layout freeing them; a tp 2 layout differing in ZeRO too explains neither."""
+    from fxworkload.plan import why_best
+
+    parts = {"compute": 100.0, "tp": 0.0, "zero gathers": 10.0}
+    best = {"device": "h100-sxm", "tp": 1, "cp": 1, "pp": 1, "vpp": 1, "ep": 1, "zero": 3, "recompute": "none",
+            "micro_batch": 1, "reshard_after_forward": 8, "accumulate_unsharded": False, "step_ms": 110.0,
+            "peak_bytes": 40 * 2 ** 30, "parts_ms": parts}
+    freed = best | {"reshard_after_forward": True, "step_ms": 112.0, "parts_ms": parts | {"zero gathers": 12.0}}
+    tp2 = freed | {"tp": 2, "step_ms": 130.0, "parts_ms": parts | {"tp": 20.0}}
+    tp2_zero1 = tp2 | {"zero": 1, "step_ms": 120.0}
+    lines = why_best([best, freed, tp2_zero1, tp2])
+    assert lines == ["tp 1 over 2: the best tp 2 layout is 20 ms slower (tp +20 ms)",
+                     "reshard_after_forward 8 over True: the best reshard_after_forward True layout is 2 ms slower "
+                     "(zero gathers +2 ms)"]
+
+
 def test_a_tie_goes_to_the_layout_holding_less_memory_then_to_the_simpler():
     """The issue's case: ZeRO 1 at 64.7 GiB and ZeRO 2 at 56.6 GiB with the same step: ZeRO 2 ranks first
     and its line says why; with memory equal too, ZeRO 1 (the simpler) does."""
