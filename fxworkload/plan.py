@@ -158,10 +158,13 @@ def fsdp2_options(zero: int, replicas: int, tp: int, ep: int, micro_batches: int
     default), kept to backward (False), or kept sharded over an NVLink domain's ranks (N, where FSDP2 allows it:
     no tensor- or expert-parallel DTensors, N dividing a data-parallel group wider than N); with gradient
     accumulation, each of those with the gradients summed unsharded until the last micro-batch too."""
+    from .parallel.layout import Parallel, post_forward_problem
+
     if zero != 3:
         return [(True, False)]
     reshards: list[bool | int] = [True, False]
-    if tp == 1 and ep == 1 and 2 <= domain_gpus < replicas and replicas % domain_gpus == 0:
+    sharded = Parallel(dp=replicas, tp=tp, ep=ep, zero=3, reshard_after_forward=domain_gpus)
+    if domain_gpus < replicas and post_forward_problem(sharded) is None:  # N = the group: FSDP2's True
         reshards.append(domain_gpus)
     return list(itertools.product(reshards, (False, True) if micro_batches > 1 else (False,)))
 

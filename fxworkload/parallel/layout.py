@@ -103,20 +103,28 @@ class Parallel:
 
 
 def _check_post_forward(p: Parallel) -> None:
+    problem = post_forward_problem(p)
+    if problem:
+        raise UserError(problem)
+
+
+def post_forward_problem(p: Parallel) -> str | None:
     """FSDP2's checks of an int reshard_after_forward (torch/distributed/fsdp/_fully_shard/_fsdp_init.py
-    _get_post_forward_mesh_info; _fsdp_param.py to_sharded_post_forward), in one line each."""
+    _get_post_forward_mesh_info; _fsdp_param.py to_sharded_post_forward), each as one line; None where it is
+    accepted (or not an int). The check of --reshard-after-forward and the choices plan tries (plan.fsdp2_options)."""
     ranks = p.reshard_after_forward
     if type(ranks) is bool:
-        return
+        return None
     if type(ranks) is not int or ranks < 2 or p.replicas % ranks:
-        raise UserError(f"--reshard-after-forward {ranks!r} is the ranks each unit's parameters stay sharded over "
-                        f"between forward and backward: a divisor of the data-parallel group ({p.replicas} ranks) "
-                        "from 2 up (--keep-gathered keeps them whole)")
+        return (f"--reshard-after-forward {ranks!r} is the ranks each unit's parameters stay sharded over "
+                f"between forward and backward: a divisor of the data-parallel group ({p.replicas} ranks) "
+                "from 2 up (--keep-gathered keeps them whole)")
     if p.zero != 3:
-        raise UserError("--reshard-after-forward reshards ZeRO 3's gathered parameters: it needs --zero 3")
+        return "--reshard-after-forward reshards ZeRO 3's gathered parameters: it needs --zero 3"
     if p.tp > 1 or p.ep > 1:  # the parameters are DTensors on the tensor- or expert-parallel mesh
-        raise UserError("--reshard-after-forward N with --tp or --ep above 1: FSDP2 does not reshard DTensor "
-                        "parameters to a smaller mesh ('not supported for DTensor parameters yet'); use --tp 1 --ep 1")
+        return ("--reshard-after-forward N with --tp or --ep above 1: FSDP2 does not reshard DTensor "
+                "parameters to a smaller mesh ('not supported for DTensor parameters yet'); use --tp 1 --ep 1")
+    return None
 
 
 RECOMPUTE_MODES = ("none", "selective", "op", "full")
