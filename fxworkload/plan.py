@@ -308,7 +308,7 @@ def _parts_ms(step) -> dict[str, float]:
     busiest = max(step.devices, key=lambda d: d.compute_ns)
     copies = exposed.get("zero3_copies", 0.0)  # FSDP2's copy kernels: on the compute stream, in compute_ns
     offload = exposed.get("activation_offload", 0.0)  # the passes' waits on activation copies: in compute_ns too
-    host = exposed.get("host", 0.0)  # the GPU waiting on the host's dispatch: in compute_ns too
+    host = exposed.get("host", 0.0)  # the GPU waiting on the host (dispatch, FSDP2's hooks): in compute_ns too
     parts = {"compute": busiest.compute_ns + busiest.bucket_slowdown_ns - blocking - copies - offload - host,
              "host": host, "activation offload": offload, "tp": exposed["tp"],
              "cp": exposed["cp"], "ep": exposed["ep"], "bubble": exposed["pp_bubble"], "dp": exposed["dp"],
@@ -475,7 +475,7 @@ def fsdp_lines(ranked: list[dict]) -> list[str]:
     return [f"fsdp: the best ZeRO 3 layout (#{rank}: tp {best['tp']} cp {best['cp']} pp {best['pp']} dp {best['dp']}, "
             f"recompute {best['recompute']}, mbs {best['micro_batch']}, {fsdp2_text(best)}) waits {parts['zero gathers']:.0f} ms for "
             f"parameter gathers, spends {parts.get('fsdp copies', 0.0):.0f} ms in FSDP2's copy kernels and "
-            f"{parts.get('host', 0.0):.0f} ms waiting on the host's dispatch of its {best['step_ms']:.0f} ms step"]
+            f"{parts.get('host', 0.0):.0f} ms waiting on the host (its dispatch and FSDP2's hooks) of its {best['step_ms']:.0f} ms step"]
 
 
 def offload_lines(ranked: list[dict], rows: list[dict]) -> list[str]:

@@ -41,7 +41,7 @@ from .network import comm_ns, p2p_ns
 from .offload import offloaded_step_ns
 from .schedule import BACKWARD, Pass, timelines
 from .stragglers import slowest_step_ns
-from .zero3 import Group, compute_share_lost, simulate_pass
+from .zero3 import Group, compute_share_lost, fsdp2_host_wait_ns, simulate_pass
 
 # Adam touches per parameter: the fp32 master copy and both moments, read and written (2 x 12 bytes
 # in mixed precision, 2 x 8 in fp32), the gradient read and the parameter written in its own dtype.
@@ -63,7 +63,7 @@ class DeviceSummary:
     zero3_copy_ns: float = 0.0  # ZeRO 3: FSDP2's copy kernels on the compute stream, every pass of the step
     bucket_slowdown_ns: float = 0.0  # backward compute lost to the SMs overlapped gradient buckets' NCCL kernels held
     offload_wait_ns: float = 0.0  # --activation-offload-layers: compute waiting on the copies, every micro-batch
-    host_wait_ns: float = 0.0  # the GPU waiting on the host's dispatch of eager ops (in compute_ns), every micro-batch
+    host_wait_ns: float = 0.0  # the GPU waiting on the host: its dispatch of eager ops, FSDP2's hooks (in compute_ns), every micro-batch
 
 
 @dataclass
@@ -191,7 +191,7 @@ def cluster_step(facts: ModelFacts, workload: Workload, model_workload: Workload
         flops.append(device_flops)
         layouts.append((chunks, _with_data_parallel(chunks, p, grad_dtype, dtype, workload.fp8_modules)))
     zero3 = [(0.0, 0.0)] * p.pp  # per device: one forward and one backward pass's gather time
-    zero3_exposed, zero3_trailing, zero3_copies = [0.0] * p.pp, [0.0] * p.pp, [0.0] * p.pp
+    zero3_exposed, zero3_trailing, zero3_copies, zero3_host = [0.0] * p.pp, [0.0] * p.pp, [0.0] * p.pp, [0.0] * p.pp
     if p.zero == 3:  # gathers and reduce-scatters per FSDP unit on a stream beside the compute (zero3.py)
         itemsizes = DTYPES[dtype].itemsize, DTYPES[grad_dtype].itemsize, (
             workload.fp8_modules if p.fp8_param_gather else frozenset())
@@ -215,6 +215,8 @@ def cluster_step(facts: ModelFacts, workload: Workload, model_workload: Workload
                 n * t.exposed_gather_ns for kind, n in kinds for t in timelines_b[kind])
             zero3_copies[d] = p.micro_batches * sum(t.copy_ns for t in timelines_f) + sum(
                 n * t.copy_ns for kind, n in kinds for t in timelines_b[kind])
+            zero3_host[d] = p.micro_batches * sum(t.host_wait_ns for t in timelines_f) + sum(
+                n * t.host_wait_ns for kind, n in kinds for t in timelines_b[kind])
             zero3_trailing[d] = timelines_b[last][0].trailing_ns  # the step's last backward is chunk 0's
     offloaded = None  # --activation-offload-layers (pp 1, one chunk): the copies' timeline beside each micro-batch
     if p.activation_offload_layers:
@@ -248,7 +250,7 @@ def cluster_step(facts: ModelFacts, workload: Workload, model_workload: Workload
                                      zero3_copy_ns=zero3_copies[d], bucket_slowdown_ns=slowed[d],
                                      offload_wait_ns=p.micro_batches * (offloaded.forward_wait_ns +
                                                                         offloaded.backward_wait_ns) if offloaded else 0.0,
-                                     host_wait_ns=p.micro_batches * sum(
+                                     host_wait_ns=zero3_host[d] + p.micro_batches * sum(
                                          (u.host_wait_ns or {}).get(ph, 0.0) for chunk in layouts[d][0] for u in chunk
                                          for ph in (FORWARD, INPUT_GRAD, WEIGHT_GRAD))))
     slowest = max(devices, key=lambda x: x.end_ns)
@@ -584,7 +586,8 @@ def _zero3_groups(units: list[Unit], phase: str, p: Parallel, device: DeviceProf
 def _zero3_groups_of(units: list[Unit], phase: str, p: Parallel, device: DeviceProfile, param_itemsize: int,
                      grad_itemsize: int, fp8_modules: frozenset, kind: str) -> list[Group]:
     groups = []
-    for compute, gathers, scatters in _zero3_units(units, phase, p, device, param_itemsize, grad_itemsize, fp8_modules):
+    for compute, host_wait, gathers, scatters in _zero3_units(units, phase, p, device, param_itemsize, grad_itemsize,
+                                                              fp8_modules):
         kept = post_forward_copies(gathers, p) if phase == FORWARD else []  # reshard_after_forward=N
         gathers = gathers if phase == FORWARD else backward_gathers(gathers, p)
         gathered = phase == FORWARD or p.reshard_after_forward  # reshard_after_forward=False: the forward's stay
@@ -592,7 +595,8 @@ def _zero3_groups_of(units: list[Unit], phase: str, p: Parallel, device: DeviceP
         scatters = [] if phase == FORWARD else micro_batch_scatters(scatters, kind)
         scatter = sum(comm_ns(c, p, device) for c in scatters if c.type != NONE)
         groups.append(Group(compute_ns=compute, gather_ns=gather, reduce_scatter_ns=scatter,
-                            copy_ns=copy_kernels_ns((gathers if gathered else []) + scatters + kept, device)))
+                            copy_ns=copy_kernels_ns((gathers if gathered else []) + scatters + kept, device),
+                            host_wait_ns=host_wait))
     return groups if phase == FORWARD else groups[::-1]
 
 
@@ -600,11 +604,12 @@ _ZERO3_UNITS = Memo(4096)
 
 
 def _zero3_units(units: list[Unit], phase: str, p: Parallel, device: DeviceProfile, param_itemsize: int,
-                 grad_itemsize: int, fp8_modules: frozenset) -> list[tuple[float, list, list]]:
+                 grad_itemsize: int, fp8_modules: frozenset) -> list[tuple[float, float, list, list]]:
     """Per FSDP unit of a chunk (collectives.fsdp_units, the same units and collectives as the rank's ZeRO 3
-    rows), its pass's compute with its blocking collectives, its parameter gathers and its gradient
-    reduce-scatters: what FSDP2's options (reshard_after_forward, accumulate_unsharded) then change, computed once
-    for all of them in a layout search."""
+    rows), its pass's compute with its blocking collectives, what it waits on the host running FSDP2's hooks
+    (zero3.fsdp2_host_wait_ns; nothing without a host model, on a CPU profile), its parameter gathers and its
+    gradient reduce-scatters: what FSDP2's options (reshard_after_forward, accumulate_unsharded) then change,
+    computed once for all of them in a layout search."""
     key = (id(units), phase, p.replicas, p.dp // p.ep, p.ep, p.tp, p.cp, p.cp_comm, p.sp, param_itemsize,
            grad_itemsize, fp8_modules, id(device))
 
@@ -614,9 +619,24 @@ def _zero3_units(units: list[Unit], phase: str, p: Parallel, device: DeviceProfi
         for members in fsdp_units(units):
             compute = sum(u.costs[ph][0] for u in members for ph in phases) + sum(
                 _comms_ns(u, phase, p, device) for u in members)
-            out.append((compute, *fsdp_comms(members, p, param_itemsize, grad_itemsize, fp8_modules)))
+            out.append((compute, fsdp2_hooks_wait_ns(members, phase == FORWARD, device),
+                        *fsdp_comms(members, p, param_itemsize, grad_itemsize, fp8_modules)))
         return out
     return _ZERO3_UNITS.get(key, (units, device), made)
+
+
+def fsdp2_hooks_wait_ns(members: list[Unit], forward: bool, device: DeviceProfile | None) -> float:
+    """What one FSDP unit's forward or backward waits on the host running FSDP2's hooks around it
+    (zero3.fsdp2_host_wait_ns): its passes as the GPU runs them, its ops' issue, its parameter tensors. Nothing
+    without a host model (no profile, or a CPU's) or without parameters. The cluster step, SimAI's rows and the
+    Chakra traces each take it from here."""
+    parameters = sum(len(u.grads) for u in members)
+    if device is None or not device.sm_count or not parameters:
+        return 0.0
+    phases = (FORWARD,) if forward else (INPUT_GRAD, WEIGHT_GRAD)
+    passes = sum(u.costs[ph][0] for u in members for ph in phases)
+    issue = sum(op.dispatch_ns for u in members for ph in phases for op in u.ops(ph))
+    return fsdp2_host_wait_ns(passes, issue, not forward, parameters)
 
 
 def copy_kernels_ns(comms: list, device: DeviceProfile | None) -> float:

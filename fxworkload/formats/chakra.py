@@ -227,6 +227,9 @@ def _rank_nodes(pb, cluster, rank: int, groups: dict) -> list:
             if i + 1 < len(groups):
                 ready = [issue(mb, c, groups[i + 1][0][0], list(b.last)) for c in groups[i + 1][phase_gathers]]
             _copy_node(b, pb, f"mb{mb} {members[0].name} FSDP2 copy-out", group[phase_gathers], cluster)
+            if p.zero == 3:
+                _hooks_node(b, pb, f"mb{mb} {members[0].name} waits on the host (FSDP2's hooks)", members, forward,
+                            cluster)
             for unit in members if forward else reversed(members):
                 wait = copy_waits.get(id(unit), 0.0) if forward else back_waits.get(id(unit), 0.0)
                 if wait > 0:  # --activation-offload-layers: the layer waits for its activations' copy first
@@ -294,6 +297,15 @@ def _copy_node(b: _Builder, pb, name: str, comms, cluster) -> None:
     duration = copy_kernels_ns(list(comms), cluster.profile)
     if duration:
         b.chain(name, pb.COMP_NODE, duration_ns=duration, num_ops=0, tensor_size=sum(c.copy_bytes for c in comms))
+
+
+def _hooks_node(b: _Builder, pb, name: str, members, forward: bool, cluster) -> None:
+    """ZeRO 3: the compute chain idle while the host runs FSDP2's hooks around the unit (cluster/step.py)."""
+    from ..cluster.step import fsdp2_hooks_wait_ns
+
+    duration = fsdp2_hooks_wait_ns(list(members), forward, cluster.profile)
+    if duration:
+        b.chain(name, pb.COMP_NODE, duration_ns=duration, num_ops=0, tensor_size=0)
 
 
 def _fsdp_groups(units) -> dict[int, tuple]:

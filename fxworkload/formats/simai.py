@@ -79,7 +79,7 @@ def from_rank(rank: RankWorkload, device=None, cluster=None) -> SimaiWorkload:
     check_layout(p)
     header = {"model_parallel_NPU_group": p.tp, "ep": p.ep, "pp": p.pp, "vpp": p.vpp, "ga": p.micro_batches,
               "all_gpus": p.world, "checkpoints": 0, "checkpoint_initiates": 0, "pp_comm": rank.pp_comm_bytes}
-    waits = _copy_waits(rank, cluster)
+    waits = _copy_waits(rank, cluster) | _hook_waits(rank, device)
     return SimaiWorkload(policy=POLICY, header=header,
                          rows=[row for unit in step_units(rank) for row in _rows(unit, p, device, waits)])
 
@@ -90,6 +90,23 @@ def check_layout(p) -> None:
         raise UserError(f"--format simai: SimAI's workload names no group smaller than the data-parallel one, and "
                         f"--reshard-after-forward {p.post_forward_ranks} gathers over {p.post_forward_ranks} of its ranks; "
                         "write --format chakra (its groups are listed) or leave the flag out")
+
+
+def _hook_waits(rank: RankWorkload, device) -> dict[tuple[int, str], float]:
+    """ZeRO 3: (id of a unit, phase) -> what an FSDP unit's pass waits on the host running FSDP2's hooks
+    (cluster/step.py, fsdp2_hooks_wait_ns), folded into compute as the step runs it: its forward's on its first
+    unit, its backward's on its last (SimAI runs backward in reverse)."""
+    from ..cluster.step import fsdp2_hooks_wait_ns
+    from ..parallel.collectives import fsdp_units
+
+    if rank.parallel.zero != 3:
+        return {}
+    waits = {}
+    for chunk in rank.chunks:
+        for members in fsdp_units([u for u in chunk if u.block != "dp"]):
+            waits[id(members[0]), PHASES[0]] = fsdp2_hooks_wait_ns(members, True, device)
+            waits[id(members[-1]), PHASES[1]] = fsdp2_hooks_wait_ns(members, False, device)
+    return waits
 
 
 def _copy_waits(rank: RankWorkload, cluster) -> dict[tuple[int, str], float]:

@@ -243,7 +243,7 @@ def cluster_summary_text(cluster, fp8: bool = False) -> str:
              *([["ZeRO 3 copy kernels ms (FSDP2's copy-out after each gather, copy-in before each reduce-scatter"
                  + (", the gradients' sums between micro-batches)" if cluster.parallel.accumulate_unsharded else ")"),
                  f"{exposed['zero3_copies'] / 1e6:.3f}"]] if exposed.get("zero3_copies") else []),
-             *([["GPU waiting on the host's dispatch of eager ops ms (in the compute; --cuda-graphs removes it)",
+             *([["GPU waiting on the host ms (its dispatch of eager ops, which --cuda-graphs removes; FSDP2's hooks; in the compute)",
                  f"{exposed['host'] / 1e6:.3f}"]] if exposed.get("host") else []),
              *([["exposed ms: activation copies to and from the host (compute waiting on them)",
                  f"{exposed['activation_offload'] / 1e6:.3f}"]] if exposed.get("activation_offload") else []),

@@ -225,3 +225,62 @@ def test_reshard_after_forward_refuses_what_fsdp2_and_simai_cannot_run(tiny_dirs
     err = capsys.readouterr().err
     assert code == 2 and said in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
     assert not out.exists()
+
+
+# What bench/fsdp2_host.py measured FSDP2's hooks to cost the host (fixed, per parameter tensor), microseconds
+HOOKS_MEASURED_US = {"forward": (392.0, 13.5), "backward": (626.1, 14.2)}
+
+
+def test_fsdp2s_hooks_are_the_figures_the_bench_measured():
+    """A Llama decoder layer's 9 parameters: 392 + 9 x 13.5 = 513.5 us around its forward, 626.1 + 9 x 14.2 =
+    753.9 us around its backward."""
+    from fxworkload.cluster.zero3 import hooks_ns
+
+    assert hooks_ns(False, 9) == pytest.approx(513.5e3)
+    assert hooks_ns(True, 9) == pytest.approx(753.9e3)
+    fixed, per_parameter = HOOKS_MEASURED_US["backward"]
+    assert hooks_ns(True, 1) == pytest.approx((fixed + per_parameter) * 1e3)
+
+
+def test_fsdp2s_hooks_cost_a_pass_only_where_the_host_is_the_slower():
+    """A unit of 9 parameters whose forward runs 1 ms on the GPU and whose ops take the host 0.2 ms to issue: with
+    its hooks (0.5135 ms) the host is done at 0.7135 ms, before the GPU: nothing waits. A 0.3 ms forward: the
+    host's 0.7135 ms outlast it by 0.4135 ms, which the GPU waits."""
+    from fxworkload.cluster.zero3 import fsdp2_host_wait_ns
+
+    assert fsdp2_host_wait_ns(1e6, 0.2e6, False, 9) == 0.0
+    assert fsdp2_host_wait_ns(0.3e6, 0.2e6, False, 9) == pytest.approx(0.4135e6)
+
+
+def test_a_units_wait_on_the_host_runs_on_the_compute_stream():
+    """One unit, gather 5, compute 10, copies 3, 4 waiting on the host: the compute stream waits 5, then runs
+    17; the timeline reports the 4."""
+    timeline = simulate_pass([Group(compute_ns=10.0, gather_ns=5.0, copy_ns=3.0, host_wait_ns=4.0)], 0.0)
+    assert timeline.duration_ns == 22.0 and timeline.host_wait_ns == 4.0
+
+
+def test_a_host_bound_zero3_step_waits_for_its_units_hooks(tiny_dirs):
+    """The tiny 4-layer Llama at seq 16 on an H100: every forward op's issue outlasts its kernel, so each FSDP
+    unit's forward is the host's and ZeRO 3 adds to the GPU's wait on the host all of its forward hooks; in
+    backward a few kernels outlast their issue (the attention's, the loss's), and the hooks run beside those, so
+    it adds at most the backward hooks. Per micro-batch (2) and unit: the embedding, each decoder layer and the
+    head, with the parameters torch's model holds in each. ZeRO 1 runs no hook."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from fxworkload.cluster.zero3 import hooks_ns
+
+    run = dict(batch=1, seq=16, dtype="bf16", device="h100-sxm")
+    parallel = dict(dp=8, micro_batches=2)
+    zero1 = extract(str(tiny_dirs["llama4"]), parallel=Parallel(zero=1, **parallel), **run).cluster
+    zero3 = extract(str(tiny_dirs["llama4"]), parallel=Parallel(zero=3, **parallel), **run).cluster
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tiny_dirs["llama4"]))
+    units: dict[str, int] = {}
+    for name, _ in model.named_parameters():
+        parts = name.split(".")
+        unit = ".".join(parts[:3]) if parts[1] == "layers" else ("embedding" if "embed" in name else "head")
+        units[unit] = units.get(unit, 0) + 1
+    assert len(units) == 6 and units["model.layers.0"] == 9
+    forward = sum(hooks_ns(False, n) for n in units.values())
+    backward = sum(hooks_ns(True, n) for n in units.values())
+    added = zero3.exposed_ns["host"] - zero1.exposed_ns["host"]
+    assert 2 * forward < added <= 2 * (forward + backward) + 1e-6

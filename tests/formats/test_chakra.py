@@ -406,3 +406,19 @@ def test_zero3_files_carry_fsdp2s_copies_as_the_step_runs_them(written_zero3):
     assert {n.name.split("FSDP2 ")[1] for n in copies} == {"copy-out", "copy-in"}
     total_us = sum(n.duration_micros for n in copies)
     assert total_us == pytest.approx(cluster.devices[0].zero3_copy_ns / 1e3, abs=len(copies))
+
+
+def test_zero3_files_carry_the_waits_on_fsdp2s_hooks_as_the_step_runs_them(written_zero3, tiny_dirs):
+    """The tiny Llama at seq 16 is host-bound: under ZeRO 3 the step waits on FSDP2's hooks around each unit
+    (cluster/zero3.py). Each data-parallel rank of stage 0 holds that wait as compute nodes on its chain, one per
+    FSDP unit and pass that waits: they sum to what the stage's step waits on the host beyond the same layout
+    under ZeRO 1, within half a µs a node (a compute node lasts whole µs)."""
+    out, cluster = written_zero3
+    fields = dict(ZERO3_LAYOUT, zero=1)
+    zero1 = extract(str(tiny_dirs["llama4"]), batch=1, seq=16, device="h100-sxm", parallel=Parallel(**fields)).cluster
+    waited = cluster.devices[0].host_wait_ns - zero1.devices[0].host_wait_ns
+    assert waited > 0
+    for rank in (0, 1):
+        hooks = [n for n in read(out / f"workload.{rank}.et") if "FSDP2's hooks" in n.name]
+        assert hooks and all(n.type == COMP_NODE for n in hooks)
+        assert sum(n.duration_micros for n in hooks) * 1e3 == pytest.approx(waited, abs=500 * len(hooks))

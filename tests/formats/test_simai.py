@@ -379,3 +379,24 @@ def test_a_bad_layout_is_the_only_line_when_the_step_comes_from_the_cache(tiny_d
     assert code == 2 and err.splitlines() == ["fxworkload: error: --pp 3 does not divide the model's 2 layers; choose "
                                               "a --pp that divides it or give --pp-layers"], err
     assert not out.exists() or not any(out.iterdir())
+
+
+def test_zero3_simai_rows_carry_the_waits_on_fsdp2s_hooks_as_the_step_runs_them(tiny_dirs):
+    """The tiny Llama at seq 16 is host-bound: ZeRO 3's step waits on FSDP2's hooks around each unit
+    (cluster/zero3.py). The SimAI file holds that wait as compute too: its rows sum to the ZeRO 1 file's plus the
+    step's extra wait on the host over its two micro-batches (the file lists its rows once per micro-batch), within a
+    whole ns a row."""
+    run = dict(batch=1, seq=16, dtype="bf16", grad_dtype="fp32", device="h100-sxm")
+    zero1 = extract(str(tiny_dirs["llama4"]), parallel=Parallel(dp=2, zero=1, micro_batches=2), **run)
+    zero3 = extract(str(tiny_dirs["llama4"]), parallel=Parallel(dp=2, zero=3, micro_batches=2), **run)
+
+    def compute_ns(result, rows_of):
+        return sum(r.forward_ns + r.input_grad_ns + r.weight_grad_ns for r in rows_of(result))
+
+    model_rows = lambda result: [r for r in from_rank(result.rank, result.device).rows  # noqa: E731
+                                 if "_param_allgather_" not in r.name and "_reducescatter_" not in r.name
+                                 and "_allreduce" not in r.name and "_comm" not in r.name]
+    waited = zero3.cluster.devices[0].host_wait_ns - zero1.cluster.devices[0].host_wait_ns
+    assert waited > 0
+    rows = model_rows(zero3)
+    assert compute_ns(zero3, model_rows) == pytest.approx(compute_ns(zero1, model_rows) + waited, abs=len(rows))
