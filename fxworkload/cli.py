@@ -713,8 +713,9 @@ def run_devices(args) -> int:
             continue
         rows.append(_device_row(name, lambda name=name: devices.load(name)))
     print(tabulate(rows, headers=["name", "description", "fp32_tflops", "bf16_tflops", "fp8_tflops",
-                                  "memory_gb_per_s", "memory_gb", "sms", "launch_us", "figures"]))
-    print(f"\nfigures: how many of a profile's figures are datasheet facts, fitted on measured kernels, or assumed; "
+                                  "memory_gb_per_s", "memory_gib", "sms", "launch_us", "figures"]))
+    print(f"\nmemory_gib: what CUDA reports as the GPU's memory (total_memory), GiB; "
+          f"figures: how many of a profile's figures are datasheet facts, fitted on measured kernels, or assumed; "
           f"'fxworkload devices NAME' lists each with its source (the JSON files in {devices.DATA_DIR}/, measured ones "
           f"in {devices.cache_dir()}/devices/)")
     return 0
@@ -730,7 +731,7 @@ def _device_row(name: str, load, note: str = "") -> list:
     fp8 = d.matmul_flops_per_s.get("fp8")
     return [name, d.description + note, *(f"{d.matmul_flops_per_s[k] / 1e12:.4g}" if k in d.matmul_flops_per_s else "-" for k in ("fp32", "bf16")),
             f"{fp8 / 1e12:.4g}" if fp8 else "-", f"{d.memory_bytes_per_s / 1e9:.0f}",
-            f"{d.memory_capacity_bytes / 1e9:.0f}" if d.memory_capacity_bytes else "-", d.sm_count or "-",
+            f"{d.memory_capacity_bytes / 2 ** 30:.1f}" if d.memory_capacity_bytes else "-", d.sm_count or "-",
             f"{d.kernel_launch_ns / 1e3:.2f}", counted or "measured"]
 
 

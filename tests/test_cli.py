@@ -114,6 +114,8 @@ def test_devices_lists_the_profiles():
         assert name in run.stdout
     mi300x = next(line for line in run.stdout.splitlines() if line.startswith("mi300x "))
     assert "2615" in mi300x and "assumed" in mi300x  # the data sheet's dense FP8 peak; its fit is an H100's
+    h100 = next(line for line in run.stdout.splitlines() if line.startswith("h100-sxm "))
+    assert " 79.2 " in h100  # GiB: the 81,079 MiB CUDA reported on the lent H100 (not the datasheet's "80 GB")
 
 
 def test_devices_name_lists_each_figure_with_its_kind_and_source():
