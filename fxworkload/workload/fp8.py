@@ -35,6 +35,14 @@ Under ``--stack compiled`` torchao's amax and cast kernels are inductor's (torch
 with Float8Linear in them): they take the generated kernels' factor over the roofline
 (cost/gpu.py ``generated_kernel_slowdown``). Transformer Engine's are its own, hand-written.
 
+Linear layers that read one tensor (q, k and v; gate and up) cast it once with torchao where the step is
+compiled or the tensor is gathered: each Float8Linear's cast of its input is the same deterministic ops
+(amax, scale, scaled clamp, to FP8) on the same tensor, which AOTAutograd's common-subexpression pass merges
+(torch/_functorch/partitioners.py ``min_cut_rematerialization_partition``: ``if config.cse: fx_graph_cse``,
+on by default, before inductor sees the graph); and under sequence parallelism torchao's
+``PrepareFloat8ModuleInput`` casts the block input once before the one all-gather its q, k and v (gate and up)
+read. Transformer Engine's separate ``Linear`` modules each cast their own input.
+
 ``--fp8-recipe torchao-rowwise`` runs torchao's row-wise recipe (``Float8LinearConfig.from_recipe_name("rowwise")``,
 torchao/float8/config.py; float8_linear.py ``matmul_with_hp_or_float8_args``): each of a linear's three GEMMs casts
 its own two operands from their 16-bit copies, each scaled per row or column along that GEMM's reduction axis
@@ -113,6 +121,10 @@ def with_fp8(workload: Workload, device: DeviceProfile, stack: str | None, recip
     cast_factor = model.generated_kernel_slowdown if recipe != "te" and STACKS[workload.stack].generates_kernels \
         else 1.0  # torchao's casts under torch.compile are inductor's kernels (module docstring)
     retimed: dict[int, OpCost] = {}
+    # sibling linears cast their shared input once (module docstring): under a compiler's CSE, or torchao's
+    # PrepareFloat8ModuleInput before a sequence-parallel gather (tensor-wise: row-wise gathers stay 16-bit)
+    one_input_cast = recipe != "te" and (STACKS[workload.stack].generates_kernels or (sp_tp > 1 and not rowwise))
+    cast_inputs: set[int] = set()  # the rows whose output some linear's input cast has read already
 
     def fp8(op: OpCost, cast_bytes: int) -> OpCost:
         if op.gemm_mkn is None or op.sdpa_backend:
@@ -134,17 +146,23 @@ def with_fp8(workload: Workload, device: DeviceProfile, stack: str | None, recip
         m, k, n = row.forward.gemm_mkn
         batch = row.forward.gemm_batch
         elements = m * k * batch
-        if (previous is None or previous[0] != elements) and not rowwise:  # not a sibling of the last linear
+        sibling = previous is not None and previous[0] == elements  # q after k after v: only views between
+        if not sibling and not rowwise:
             _save_input_in_fp8(rows, row, elements, stack, halved)  # row-wise backward recasts the 16-bit input
+        producer = _input_producer(rows, row, elements, stack)
+        input_cast_shared = one_input_cast and (sibling or producer in cast_inputs)
+        if producer is not None:
+            cast_inputs.add(producer)
         previous = (elements, len(rows))
+        input_share = 0 if input_cast_shared else 1  # of this linear's own cast of its input
         if rowwise:  # six casts from 16 bits and two rescaled outputs (module docstring); gathers stay 16-bit
-            casts = ((m * k + k * n) * ROW_CAST_BYTES * batch,
+            casts = ((m * k * input_share + k * n) * ROW_CAST_BYTES * batch,
                      (m * n * ROW_CAST_BYTES + k * n * COLUMN_CAST_BYTES + m * k * RESCALE_BYTES) * batch,
-                     ((m * n + m * k) * COLUMN_CAST_BYTES + k * n * RESCALE_BYTES) * batch)
+                     ((m * n + m * k * input_share) * COLUMN_CAST_BYTES + k * n * RESCALE_BYTES) * batch)
         else:
             weight_elements = k * n * batch if weights_each_forward else 0
             row_wise = within_any(row.module, row_parallel)
-            input_cast = m * k // (1 if row_wise else sp_tp)  # a gathered input is cast as the rank's shard
+            input_cast = m * k // (1 if row_wise else sp_tp) * input_share  # a gathered input: the rank's shard
             gradient_cast = m * n // (sp_tp if row_wise else 1)  # likewise a gathered output gradient
             casts = ((input_cast + weight_elements) * per_element, gradient_cast * per_element, 0)
         rows.append(row.with_ops(fp8(row.forward, casts[0]),
@@ -159,8 +177,9 @@ def with_fp8(workload: Workload, device: DeviceProfile, stack: str | None, recip
                    activation_peak_bytes=max(workload.activation_peak_bytes - removed, 0))
 
 
-def _save_input_in_fp8(rows: list, linear: NodeRow, elements: int, stack: str | None, halved: set) -> None:
-    """The row that saved the linear's 16-bit input now saves it in FP8: one byte per element less."""
+def _makers_of_input_size(rows: list, linear: NodeRow, elements: int, stack: str | None):
+    """Walking back from the linear within its layer: the index of each row that made a tensor of the linear's
+    input size (its input's producer among them, the nearest that is not a view)."""
     layer = layer_of(linear.module, stack)
     for i in range(len(rows) - 1, -1, -1):
         row = rows[i]
@@ -168,10 +187,23 @@ def _save_input_in_fp8(rows: list, linear: NodeRow, elements: int, stack: str | 
             continue
         if layer_of(row.module, stack) != layer:
             return
-        made = any(math.prod(shape) == elements for shape in row.forward.output_shapes)
-        if made and i in halved:  # another reader of the same input (up after gate): already one byte
+        if any(math.prod(shape) == elements for shape in row.forward.output_shapes):
+            yield i
+
+
+def _input_producer(rows: list, linear: NodeRow, elements: int, stack: str | None) -> int | None:
+    """The index in ``rows`` of the linear's input's producer (gate's and up's are the same norm); None if none."""
+    return next((i for i in _makers_of_input_size(rows, linear, elements, stack) if rows[i].forward.kind != "view"),
+                None)
+
+
+def _save_input_in_fp8(rows: list, linear: NodeRow, elements: int, stack: str | None, halved: set) -> None:
+    """The row that saved the linear's 16-bit input now saves it in FP8: one byte per element less."""
+    for i in _makers_of_input_size(rows, linear, elements, stack):
+        if i in halved:  # another reader of the same input (up after gate): already one byte
             return
-        if made and row.saved_bytes >= 2 * elements:
+        row = rows[i]
+        if row.saved_bytes >= 2 * elements:
             halved.add(i)
             rows[i] = row.with_ops(row.forward, row.input_grad, row.weight_grad, saved_bytes=row.saved_bytes - elements)
             return

@@ -247,3 +247,36 @@ def test_rowwise_gathers_stay_16_bit_and_refuse_an_fp8_fsdp_gather(tiny_dirs):
     with pytest.raises(UserError, match="tensor-wise only"):
         extract(str(tiny_dirs["llama"]), seq=32, dtype="bf16", device="h100-sxm", fp8=True,
                 fp8_recipe="torchao-rowwise", parallel=Parallel(dp=2, zero=3, fp8_param_gather=True))
+
+
+def test_torchaos_sibling_linears_cast_their_shared_input_once_where_it_is_merged(tiny_dirs):
+    """By hand, per decoder layer, the forward GEMM's bytes over bf16's: q, o, gate and down cast their input
+    (6 bytes an element with torchao: amax, then cast and transpose) and their weight (6); k and v read q's
+    input and up gate's, so under torch.compile (AOTAutograd's CSE merges the identical casts) and under
+    sequence parallelism (torchao's PrepareFloat8ModuleInput casts the block input once) they cast their
+    weight only. In eager without a gather each Float8Linear casts its own input; Transformer Engine's
+    separate Linear modules always do."""
+    tokens = 2 * 32
+
+    def extra_bytes(**args):
+        run, plain = (extract(str(tiny_dirs["llama"]), batch=2, seq=32, dtype="bf16", device="h100-sxm", **extra)
+                      for extra in (dict(fp8=True, **args), {k: v for k, v in args.items() if k != "fp8_recipe"}))
+        out = {}
+        for row, base in zip(run.workload.node_rows, plain.workload.node_rows):
+            if row.forward.gemm_dtype == "fp8" and ".layers.0." in row.module:
+                out[row.module.rsplit(".", 1)[1]] = (row.forward.bytes - base.forward.bytes, row.forward.gemm_mkn)
+        return out
+
+    compiled = extra_bytes(fp8_recipe="torchao", stack="compiled")
+    for name, (added, (m, k, n)) in compiled.items():
+        shares = name in ("k_proj", "v_proj", "up_proj")
+        assert added == (0 if shares else 6 * m * k) + 6 * k * n, name
+    eager = extra_bytes(fp8_recipe="torchao")
+    assert all(added == 6 * m * k + 6 * k * n for added, (m, k, n) in eager.values())
+    te = extra_bytes(fp8_recipe="te", stack="compiled")
+    assert all(added == 4 * m * k for added, (m, k, n) in te.values())
+    gathered = extra_bytes(fp8_recipe="torchao", parallel=Parallel(tp=2, sp=True))
+    added, (m, k, n) = gathered["k_proj"]
+    assert added == 6 * k * n and m == tokens  # q's cast of the rank's shard, gathered once for all three
+    added, (m, k, n) = gathered["q_proj"]
+    assert added == 6 * (tokens // 2) * HIDDEN + 6 * k * n
