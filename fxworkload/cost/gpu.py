@@ -344,6 +344,13 @@ def flex_over_flash(arch: str, backward: bool) -> float:
     return FLEX_OVER_FLASH["sm90" if hopper_on else "sm80"][backward]
 
 
+# The memory-efficient kernel on 16-bit inputs runs no faster than FlashAttention-2: PyTorch's is xformers' CUTLASS
+# FMHA (fmha_cutlassF_bf16_aligned_*_sm80 and its backward), built on sm80's mma.sync tensor-core instructions as
+# FlashAttention-2 is, and slower than it where both ran (FlashAttention-2 paper, Dao 2023, its A100 benchmarks
+# against xformers). Its fitted efficiencies come from the H100 data's fp32 rows, a kernel on the FP32 units whose
+# share of that peak says nothing of the tensor cores': taken on the BF16 peak they gave 0.66 of it, where the
+# H100's measured sm80 CUTLASS GEMMs reach 0.28 (gemm_sm80_efficiency). So a 16-bit call takes the lower of its own
+# and flash's efficiency: an upper bound on its speed, no measurement of it being at hand.
 def attention_ns(flops: int, backend: str, backward: bool, dtype: str, *, batch: int, heads: int, q_len: int,
                  kv_len: int, head_dim: int, is_causal: bool, has_mask: bool, dropout: float,
                  facts: GpuFacts, model: GpuModel, nbytes: int = 0, visited_share: float = 1.0) -> float:
@@ -362,7 +369,10 @@ def attention_ns(flops: int, backend: str, backward: bool, dtype: str, *, batch:
             grid *= flash_causal_grid_ratio(batch * heads, q_len, kv_len, facts.sm_count)
         else:
             grid *= causal_fraction(q_len, kv_len)
-    efficiency = getattr(model, f"{backend}_{direction}_efficiency") * capped_clock_fraction(facts)
+    efficiency = getattr(model, f"{backend}_{direction}_efficiency")
+    if backend == "efficient" and ITEMSIZE.get(dtype, 4) < 4:
+        efficiency = min(efficiency, getattr(model, f"flash_{direction}_efficiency"))  # above attention_ns
+    efficiency *= capped_clock_fraction(facts)
     seconds = grid * work / (facts.tensor_flops_per_s[dtype] * efficiency)
     scores = batch * heads * q_len * kv_len
     alu_per_s = facts.tensor_flops_per_s["fp32"] * capped_clock_fraction(facts)  # the same SMs' clock
