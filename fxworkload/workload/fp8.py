@@ -149,7 +149,7 @@ def with_fp8(workload: Workload, device: DeviceProfile, stack: str | None, recip
         sibling = previous is not None and previous[0] == elements  # q after k after v: only views between
         if not sibling and not rowwise:
             _save_input_in_fp8(rows, row, elements, stack, halved)  # row-wise backward recasts the 16-bit input
-        producer = _input_producer(rows, row, elements, stack)
+        producer = _input_producer(rows, row, elements, stack) if one_input_cast else None
         input_cast_shared = one_input_cast and (sibling or producer in cast_inputs)
         if producer is not None:
             cast_inputs.add(producer)
