@@ -268,12 +268,15 @@ def test_torchaos_sibling_linears_cast_their_shared_input_once_where_it_is_merge
         return out
 
     compiled = extra_bytes(fp8_recipe="torchao", stack="compiled")
+    assert len(compiled) == 7  # q, k, v, o, gate, up, down: none missed by the checks below
     for name, (added, (m, k, n)) in compiled.items():
         shares = name in ("k_proj", "v_proj", "up_proj")
         assert added == (0 if shares else 6 * m * k) + 6 * k * n, name
     eager = extra_bytes(fp8_recipe="torchao")
+    assert len(eager) == 7
     assert all(added == 6 * m * k + 6 * k * n for added, (m, k, n) in eager.values())
     te = extra_bytes(fp8_recipe="te", stack="compiled")
+    assert len(te) == 7
     assert all(added == 4 * m * k for added, (m, k, n) in te.values())
     gathered = extra_bytes(fp8_recipe="torchao", parallel=Parallel(tp=2, sp=True))
     added, (m, k, n) = gathered["k_proj"]
