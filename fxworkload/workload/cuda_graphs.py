@@ -11,7 +11,9 @@ issues one graph launch instead of each op.
 A replayed op has no host dispatch of its own; each replay costs the host ``host_graph_launch_ns`` (the
 GPU model's, measured). Its kernel keeps its time, less the floor a cuBLAS call has back to back in eager
 PyTorch (``gemm_min_ns``: the host's pace, which a graph does not wait on): the GPU still runs every kernel.
-What the graph also saves on the GPU side (the launch gap between its kernels) is not modelled.
+What the graph also saves on the GPU side (the launch gap between its kernels) is not modelled. Only that
+floor is taken off an op's time as earlier passes left it, so what they added stays: FP8's GEMM dtype and
+casts (workload/fp8.py), sequence parallelism's shares and context parallelism's widened cores.
 
 Checked against the lent H100 (bench/lent_gpus.py --graphs): GPT-2's step eager and graphed both ways.
 """
@@ -22,7 +24,8 @@ from dataclasses import replace
 
 from ..cost.devices import DeviceProfile
 from .layers import layer_of
-from .table import NodeRow, Workload, timed
+from ..cost.optime import gpu_op_ns
+from .table import NodeRow, OpCost, Workload, kernel_dtype, op_dispatch_ns
 
 
 def with_cuda_graphs(workload: Workload, device: DeviceProfile, scope: str, layer_stack: str | None) -> Workload:
@@ -34,7 +37,7 @@ def with_cuda_graphs(workload: Workload, device: DeviceProfile, scope: str, laye
 
     def replayed(op):
         if id(op) not in graphed:
-            graphed[id(op)] = timed(replace(op, graphed=True), device)
+            graphed[id(op)] = _replayed(op, device)
         return graphed[id(op)]
 
     rows = list(workload.rows)
@@ -57,6 +60,15 @@ def with_cuda_graphs(workload: Workload, device: DeviceProfile, scope: str, laye
             ops = [head] + ops[1:]
             rows[last] = row.with_ops(row.forward, ops[:split], ops[split:])
     return replace(workload, rows=rows)
+
+
+def _replayed(op: OpCost, device: DeviceProfile) -> OpCost:
+    """The op replayed from a graph: no dispatch of its own, and its kernel time less the eager floor a GEMM
+    sat on (0 for every other op, and for a GEMM above the floor: a graph replays the same kernels)."""
+    replayed = replace(op, graphed=True)
+    dtype = kernel_dtype(op)
+    floor_ns = gpu_op_ns(op, device, dtype) - gpu_op_ns(replayed, device, dtype)
+    return replace(replayed, estimated_ns=op.estimated_ns - floor_ns, dispatch_ns=op_dispatch_ns(replayed, device))
 
 
 def _regions(rows: list, scope: str, layer_stack: str | None) -> list[list[int]]:

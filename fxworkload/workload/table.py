@@ -304,12 +304,22 @@ def timed(op: OpCost, device: DeviceProfile | None) -> OpCost:
 def op_estimate_ns(op: OpCost, device: DeviceProfile) -> float:
     """Kernel time of one op: the GPU mechanics model where the profile has the GPU's facts,
     else the roofline with the profile's rates (CPUs, calibrated tables)."""
-    dtype = next((getattr(torch, name) for name in op.input_dtypes + op.output_dtypes
-                  if getattr(torch, name).is_floating_point), None)
     if device.sm_count:
-        return gpu_op_ns(op, device, DTYPE_NAMES.get(dtype, "fp32"))
+        return gpu_op_ns(op, device, kernel_dtype(op))
+    dtype = _floating_dtype(op)
     return estimate_ns(op.flops, op.bytes, dtype, device, uses_matmul_units=op.kind in (flop_rules.MATMUL,
                        flop_rules.ATTENTION), op_name=flop_rules.base_name(op.op), gemm=op.gemm_mkn)
+
+
+def kernel_dtype(op: OpCost) -> str:
+    """The dtype an op's kernel computes in: a GEMM run in another dtype than its tensors' (``gemm_dtype``,
+    FP8), else its first floating tensor's."""
+    return op.gemm_dtype or DTYPE_NAMES.get(_floating_dtype(op), "fp32")
+
+
+def _floating_dtype(op: OpCost):
+    return next((getattr(torch, name) for name in op.input_dtypes + op.output_dtypes
+                 if getattr(torch, name).is_floating_point), None)
 
 
 def op_dispatch_ns(op: OpCost, device: DeviceProfile) -> float:

@@ -94,3 +94,23 @@ def test_an_unknown_scope_is_one_clear_error(llama):
 
 def test_two_stream_of_a_replay_is_the_launch_plus_the_kernels():
     assert two_stream_ns([(51.0, 10.0), (0.0, 20.0), (0.0, 5.0)]) == 51.0 + 35.0
+
+
+def test_a_replayed_fp8_linear_keeps_its_fp8_gemm_and_casts(tmp_path):
+    """A graph replays the kernels eager launched: an FP8 linear's GEMM (in FP8) and its casts (fp8.py) keep
+    their time; a GEMM this large was above eager's back-to-back floor, so nothing comes off it."""
+    tiny_config("llama", num_hidden_layers=1, hidden_size=2048, intermediate_size=8192, num_attention_heads=16,
+                num_key_value_heads=16, max_position_embeddings=1024).save_pretrained(tmp_path)
+
+    def fp8_ops(scope):
+        result = extract(str(tmp_path), batch=4, seq=1024, dtype="bf16", device="h100-sxm", fp8=True,
+                         parallel=Parallel(cuda_graphs=scope))
+        return [op for r in result.workload.node_rows for op in (r.forward, *r.input_grad, *r.weight_grad)
+                if op.gemm_dtype == "fp8"]
+
+    eager, graphed = fp8_ops("none"), fp8_ops("layers")
+    assert len(eager) == len(graphed) == 7 * 3  # seven linears, three GEMMs each
+    # 2 x 4,096 x 2,048 x 2,048 FLOPs and up: 34 µs at the full FP8 peak, above the 25.2 µs floor
+    assert all(op.flops >= 2 * 4096 * 2048 * 2048 for op in eager)
+    assert all(op.graphed and op.dispatch_ns == 0 for op in graphed)
+    assert [op.estimated_ns for op in graphed] == [op.estimated_ns for op in eager]
