@@ -45,6 +45,7 @@ from .progress import say as print_progress
 from .workload import cache as graph_cache
 from .workload.cuda_graphs import with_cuda_graphs
 from .workload.fp8 import check_fp8, with_fp8
+from .workload.siblings import with_merged_siblings
 from .workload.stacks import check_stack
 from .workload.table import Workload, recost
 
@@ -284,7 +285,7 @@ def _with_fields(execution: Execution | None, system: System | None, fields: dic
 
 def _costed(workload: Workload, execution: Execution, facts: ModelFacts, profile: DeviceProfile) -> Workload:
     """The captured step costed on ``profile`` as the execution runs it: sequence and context parallelism's
-    collectives and kernels, FP8's GEMMs and casts, CUDA graphs' launches."""
+    collectives and kernels, FP8's GEMMs and casts, CUDA graphs' launches, sibling linears run as one GEMM."""
     parallel = execution.parallel
     workload = with_context_parallel(
         with_sequence_parallel(recost(workload, profile), parallel, facts.stack, facts.row_parallel,
@@ -292,7 +293,9 @@ def _costed(workload: Workload, execution: Execution, facts: ModelFacts, profile
     if execution.fp8:
         workload = with_fp8(workload, profile, facts.stack, execution.fp8_recipe,
                             sp_tp=parallel.tp if parallel.sp else 1, row_parallel=facts.row_parallel)
-    return with_cuda_graphs(workload, profile, parallel.cuda_graphs, facts.stack)
+    # last: one GEMM for each group of sibling linears, timed as the passes above left its rows' GEMMs
+    return with_merged_siblings(with_cuda_graphs(workload, profile, parallel.cuda_graphs, facts.stack), profile,
+                                facts.stack)
 
 
 def _settings(facts: ModelFacts, execution: Execution, system: System, profile: DeviceProfile, traced_on: str,

@@ -41,7 +41,8 @@ compiled or the tensor is gathered: each Float8Linear's cast of its input is the
 (torch/_functorch/partitioners.py ``min_cut_rematerialization_partition``: ``if config.cse: fx_graph_cse``,
 on by default, before inductor sees the graph); and under sequence parallelism torchao's
 ``PrepareFloat8ModuleInput`` casts the block input once before the one all-gather its q, k and v (gate and up)
-read. Transformer Engine's separate ``Linear`` modules each cast their own input.
+read. Transformer Engine's separate ``Linear`` modules each cast their own input; Megatron-Core's one linear for
+q, k and v (gate and up) casts it once (``--stack fused``, siblings.py).
 
 ``--fp8-recipe torchao-rowwise`` runs torchao's row-wise recipe (``Float8LinearConfig.from_recipe_name("rowwise")``,
 torchao/float8/config.py; float8_linear.py ``matmul_with_hp_or_float8_args``): each of a linear's three GEMMs casts
@@ -66,14 +67,14 @@ Not modelled: delayed scaling's amax history; torchao's ``rowwise_with_gw_hp``.
 
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 
 from ..cost.devices import DeviceProfile
 from ..cost.gpu import memory_ns
 from ..cost.optime import gpu_op_ns
 from ..errors import UserError
-from .layers import layer_of, within_any
+from .layers import within_any
+from .siblings import input_producer, linear_in_layer, makers_of_input_size
 from .stacks import STACKS
 from .table import NodeRow, OpCost, Workload
 
@@ -121,9 +122,12 @@ def with_fp8(workload: Workload, device: DeviceProfile, stack: str | None, recip
     cast_factor = model.generated_kernel_slowdown if recipe != "te" and STACKS[workload.stack].generates_kernels \
         else 1.0  # torchao's casts under torch.compile are inductor's kernels (module docstring)
     retimed: dict[int, OpCost] = {}
-    # sibling linears cast their shared input once (module docstring): under a compiler's CSE, or torchao's
-    # PrepareFloat8ModuleInput before a sequence-parallel gather (tensor-wise: row-wise gathers stay 16-bit)
-    one_input_cast = recipe != "te" and (STACKS[workload.stack].generates_kernels or (sp_tp > 1 and not rowwise))
+    # sibling linears cast their shared input once (module docstring): where the stack builds them as one linear
+    # (Megatron-Core's, siblings.py); with torchao under a compiler's CSE, or torchao's PrepareFloat8ModuleInput
+    # before a sequence-parallel gather (tensor-wise: row-wise gathers stay 16-bit)
+    stack_of = STACKS[workload.stack]
+    one_input_cast = stack_of.merges_sibling_linears or (
+        recipe != "te" and (stack_of.generates_kernels or (sp_tp > 1 and not rowwise)))
     cast_inputs: set[int] = set()  # the rows whose output some linear's input cast has read already
 
     def fp8(op: OpCost, cast_bytes: int) -> OpCost:
@@ -138,7 +142,7 @@ def with_fp8(workload: Workload, device: DeviceProfile, stack: str | None, recip
     rows, weights, halved, modules = [], 0, set(), set()
     previous = None  # (input elements, rows so far) of the last linear while only views follow it
     for row in workload.rows:
-        if not (isinstance(row, NodeRow) and _linear_in_layer(row, stack)):
+        if not (isinstance(row, NodeRow) and linear_in_layer(row, stack)):
             rows.append(row)
             if isinstance(row, NodeRow) and row.forward.kind != "view":
                 previous = None
@@ -149,7 +153,7 @@ def with_fp8(workload: Workload, device: DeviceProfile, stack: str | None, recip
         sibling = previous is not None and previous[0] == elements  # q after k after v: only views between
         if not sibling and not rowwise:
             _save_input_in_fp8(rows, row, elements, stack, halved)  # row-wise backward recasts the 16-bit input
-        producer = _input_producer(rows, row, elements, stack) if one_input_cast else None
+        producer = input_producer(rows, row, elements, stack) if one_input_cast else None
         input_cast_shared = one_input_cast and (sibling or producer in cast_inputs)
         if producer is not None:
             cast_inputs.add(producer)
@@ -177,29 +181,9 @@ def with_fp8(workload: Workload, device: DeviceProfile, stack: str | None, recip
                    activation_peak_bytes=max(workload.activation_peak_bytes - removed, 0))
 
 
-def _makers_of_input_size(rows: list, linear: NodeRow, elements: int, stack: str | None):
-    """Walking back from the linear within its layer: the index of each row that made a tensor of the linear's
-    input size (its input's producer among them, the nearest that is not a view)."""
-    layer = layer_of(linear.module, stack)
-    for i in range(len(rows) - 1, -1, -1):
-        row = rows[i]
-        if not isinstance(row, NodeRow):
-            continue
-        if layer_of(row.module, stack) != layer:
-            return
-        if any(math.prod(shape) == elements for shape in row.forward.output_shapes):
-            yield i
-
-
-def _input_producer(rows: list, linear: NodeRow, elements: int, stack: str | None) -> int | None:
-    """The index in ``rows`` of the linear's input's producer (gate's and up's are the same norm); None if none."""
-    return next((i for i in _makers_of_input_size(rows, linear, elements, stack) if rows[i].forward.kind != "view"),
-                None)
-
-
 def _save_input_in_fp8(rows: list, linear: NodeRow, elements: int, stack: str | None, halved: set) -> None:
     """The row that saved the linear's 16-bit input now saves it in FP8: one byte per element less."""
-    for i in _makers_of_input_size(rows, linear, elements, stack):
+    for i in makers_of_input_size(rows, linear, elements, stack):
         if i in halved:  # another reader of the same input (up after gate): already one byte
             return
         row = rows[i]
@@ -207,9 +191,3 @@ def _save_input_in_fp8(rows: list, linear: NodeRow, elements: int, stack: str | 
             halved.add(i)
             rows[i] = row.with_ops(row.forward, row.input_grad, row.weight_grad, saved_bytes=row.saved_bytes - elements)
             return
-
-
-def _linear_in_layer(row: NodeRow, stack: str | None) -> bool:
-    op = row.forward
-    return (op.gemm_mkn is not None and not op.sdpa_backend and op.kind == "matmul"
-            and layer_of(row.module, stack) is not None)

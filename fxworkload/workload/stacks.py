@@ -8,7 +8,8 @@ backward. Each stack's choices are data here, with the source they follow.
   layer/RMS norm, SwiGLU), reading its outside inputs once and writing what leaves it once; its
   backward re-makes the chain's internal values from the chain's kept inputs (Megatron-LM
   megatron/core/fusions/fused_bias_gelu.py keeps the GEMM output, not GeLU's intermediates), and
-  dropout masks are kept (1 byte per element, as Korthikanti et al. 2022 count them).
+  dropout masks are kept (1 byte per element, as Korthikanti et al. 2022 count them). Linears that read one
+  tensor run as one GEMM (Megatron-Core's ``linear_qkv`` and ``linear_fc1``: workload/siblings.py).
 - ``compiled``: ``torch.compile`` (AOTAutograd + inductor) on the whole model and its loss (HF Trainer's
   ``torch_compile``, whose loss the model's forward computes): what is kept is what AOTAutograd's
   ``min_cut_rematerialization_partition`` chooses on the step's joint graph; inductor fuses the
@@ -54,12 +55,15 @@ class Stack:
     # which ops the stack's fusion, GEMM padding and saved set apply to: "all", or "layers": the decoder layers'
     # ops only, the rest run as eager runs them
     scope: str = "all"
+    # linears that read one tensor (q, k and v; gate and up) built as one linear, each group's GEMMs one GEMM
+    # (siblings.py): Megatron-Core's linear_qkv and linear_fc1
+    merges_sibling_linears: bool = False
 
 
 STACKS = {
     "eager": Stack("eager", False, "autograd", "PyTorch eager; autograd's derivatives.yaml"),
     "fused": Stack("fused", True, "fused", "Megatron-LM / Transformer Engine fused kernels (megatron/core/fusions)",
-                   ring_merges="fused-p2p", vocab_parallel_loss="megatron"),
+                   ring_merges="fused-p2p", vocab_parallel_loss="megatron", merges_sibling_linears=True),
     "compiled": Stack("compiled", True, "partitioner",
                       "torch.compile: AOTAutograd min_cut_rematerialization_partition + inductor fusion and "
                       "GEMM padding (torch/_inductor/fx_passes/pad_mm.py)", pads_gemms=True,

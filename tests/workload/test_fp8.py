@@ -225,6 +225,29 @@ def test_torchaos_rowwise_recipe_casts_each_gemms_operands_from_16_bits(tiny_dir
     assert tensorwise.workload.fp8_tp_gathers
 
 
+def test_compiled_rowwise_linears_that_read_one_tensor_cast_it_once_each_way(tiny_dirs):
+    """The row-wise recipe under torch.compile, by hand as above: k and v read q's input and up gate's, and
+    AOTAutograd's CSE merges their identical casts of it, so they skip the forward's cast of the input along k
+    (3 bytes an element) and the weight gradient's cast of it along m, down its columns (5); every other cast,
+    and the rescaled outputs, are each linear's own."""
+    args = dict(batch=2, seq=32, dtype="bf16", device="h100-sxm", stack="compiled")
+    bf16 = extract(str(tiny_dirs["llama"]), **args)
+    rowwise = extract(str(tiny_dirs["llama"]), fp8=True, fp8_recipe="torchao-rowwise", **args)
+    checked = 0
+    for plain, row in zip(bf16.workload.node_rows, rowwise.workload.node_rows):
+        if row.forward.gemm_dtype != "fp8":
+            continue
+        m, k, n = row.forward.gemm_mkn
+        input_share = 0 if row.module.rsplit(".", 1)[1] in ("k_proj", "v_proj", "up_proj") else 1
+        dgrad, wgrad = ([(a.bytes - b.bytes) for a, b in zip(row.ops(phase), plain.ops(phase)) if a.gemm_mkn]
+                        for phase in ("input_grad", "weight_grad"))
+        assert row.forward.bytes - plain.forward.bytes == 3 * (m * k * input_share + k * n), row.module
+        assert dgrad == [3 * m * n + 5 * k * n + 4 * m * k]
+        assert wgrad == [5 * (m * n + m * k * input_share) + 4 * k * n], row.module
+        checked += 1
+    assert checked == LAYERS * 7
+
+
 def test_rowwise_gathers_stay_16_bit_and_refuse_an_fp8_fsdp_gather(tiny_dirs):
     """torchtitan runs regular tensor parallelism with the row-wise recipes ('float8 all-gather with TP is only
     supported for tensorwise'): with TP 2 and sequence parallelism the block's all-gathers move bf16, 2 bytes an
@@ -255,7 +278,8 @@ def test_torchaos_sibling_linears_cast_their_shared_input_once_where_it_is_merge
     input and up gate's, so under torch.compile (AOTAutograd's CSE merges the identical casts) and under
     sequence parallelism (torchao's PrepareFloat8ModuleInput casts the block input once) they cast their
     weight only. In eager without a gather each Float8Linear casts its own input; Transformer Engine's
-    separate Linear modules always do."""
+    separate Linear modules always do (4 bytes: cast and transpose), but Megatron-Core's one linear for q, k
+    and v (gate and up) casts once."""
     tokens = 2 * 32
 
     def extra_bytes(**args):
@@ -278,6 +302,10 @@ def test_torchaos_sibling_linears_cast_their_shared_input_once_where_it_is_merge
     te = extra_bytes(fp8_recipe="te", stack="compiled")
     assert len(te) == 7
     assert all(added == 4 * m * k for added, (m, k, n) in te.values())
+    megatron = extra_bytes(fp8_recipe="te", stack="fused")  # one linear_qkv, one linear_fc1: one cast each
+    assert len(megatron) == 7
+    for name, (added, (m, k, n)) in megatron.items():
+        assert added == (0 if name in ("k_proj", "v_proj", "up_proj") else 4 * m * k), name
     gathered = extra_bytes(fp8_recipe="torchao", parallel=Parallel(tp=2, sp=True))
     added, (m, k, n) = gathered["k_proj"]
     assert added == 6 * k * n and m == tokens  # q's cast of the rank's shard, gathered once for all three
