@@ -210,7 +210,8 @@ SDPA_BACKENDS_HELP = ("the attention kernels the run enables, comma-separated, a
                       "H100/H200/B200 as torch 2.10+ with cuDNN > 9.15 chooses; flash,efficient,math is the "
                       "default of torch 2.5.1-2.9; torchtitan's context parallelism runs flash,efficient)")
 STACK_HELP = ("execution stack whose kernels and saved activations are costed: eager (HF eager PyTorch, "
-              "default), fused (Megatron-LM / Transformer Engine fused kernels), compiled (torch.compile of the "
+              "default), fused (Megatron-LM / Transformer Engine fused kernels; q, k, v one GEMM, gate and up one, as "
+              "Megatron-Core's linear_qkv and linear_fc1), compiled (torch.compile of the "
               "whole model: AOTAutograd's partitioner, inductor's fusion), compiled-blocks (each decoder block "
               "compiled alone, the embedding, head and loss eager: torchtitan's)")
 
