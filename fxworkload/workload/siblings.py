@@ -71,7 +71,7 @@ def input_elements(row: NodeRow) -> int:
 def sibling_groups(rows: list, stack: str | None) -> list[list[int]]:
     """The indices in ``rows`` of each group of two or more linears that read one tensor (module docstring)."""
     groups: list[list[int]] = []
-    by_producer: dict[int, list[int]] = {}
+    by_producer: dict[tuple[int, int], list[int]] = {}
     previous = None  # (input elements, group) of the last linear while only views follow it
     for i, row in enumerate(rows):
         if not (isinstance(row, NodeRow) and linear_in_layer(row, stack)):
@@ -83,14 +83,14 @@ def sibling_groups(rows: list, stack: str | None) -> list[list[int]]:
             group = previous[1]
         else:
             producer = input_producer(rows, row, elements, stack, before=i)
-            group = by_producer.get(producer) if producer is not None else None
-            if group is not None and rows[group[0]].forward.gemm_mkn[2] != row.forward.gemm_mkn[2]:
-                group = None  # one producer, other widths: not a pair Megatron-Core builds as one linear
+            # one producer, as many output features: gate and up (a router beside them, other widths, apart)
+            key = (producer, row.forward.gemm_mkn[2])
+            group = by_producer.get(key) if producer is not None else None
             if group is None:
                 group = []
                 groups.append(group)
                 if producer is not None:
-                    by_producer.setdefault(producer, group)
+                    by_producer[key] = group
         group.append(i)
         previous = (elements, group)
     return [group for group in groups if len(group) > 1]

@@ -42,6 +42,23 @@ def test_q_k_v_and_gate_up_are_the_groups_that_read_one_tensor(gqa_llama, tiny_d
     assert sibling_groups(gpt2.workload.rows, gpt2.facts.stack) == []  # c_attn is one linear already; c_fc alone
 
 
+def test_a_moe_blocks_shared_expert_pairs_and_its_routers_stand_alone(tmp_path):
+    """Qwen2-MoE: the shared expert's gate and up read the normed block input, as the router and the shared
+    expert's gate do (other widths: 4 experts, 1), which Megatron-Core builds as linears of their own."""
+    from transformers import CONFIG_MAPPING
+
+    CONFIG_MAPPING["qwen2_moe"](hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                                shared_expert_intermediate_size=96, num_experts=4, num_experts_per_tok=2,
+                                num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+                                max_position_embeddings=64).save_pretrained(tmp_path)
+    run = extract(str(tmp_path), batch=2, seq=16, dtype="fp32", device="h100-sxm")
+    rows = run.workload.rows
+    groups = [[rows[i].module.split(".layers.0.")[1] for i in group]
+              for group in sibling_groups(rows, run.facts.stack)]
+    assert groups == [["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
+                      ["mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj"]]
+
+
 def test_megatron_cores_stack_runs_each_group_as_one_gemm(gqa_llama):
     device = devices.load("h100-sxm")
     facts, model = device.gpu_facts(), device.gpu_model()
