@@ -285,7 +285,7 @@ def nemo_fp8_row(name: str, root: Path) -> list:
     dp = gpus // (tp * pp * cp)
     best = best_layout(model, tp, pp, dp, batch, 8192, "bf16", device, layers, recompute=("none", "selective", "full"),
                        pp_layers=pp_layers, sp=True, zero=1, micro_batches=(1,), cp=cp, vpps=(vpp,), fp8=True,
-                       partial_recompute=True)
+                       fp8_recipe="te-current", partial_recompute=True)  # the page's FP8 current scaling
     ours = best["tokens_per_s_per_gpu"]
     return [name, f"tp{tp} cp{cp} pp{pp} vp{vpp} dp{dp}", gpus, describe(best), f"{published} tok/s",
             f"{ours:.0f} tok/s", f"{100 * (ours / published - 1):+.2f}%"]
@@ -424,7 +424,7 @@ def _llama_405b(root: Path) -> Path:
 
 def best_layout(model, tp, pp, dp, batch, seq, dtype, device, layers, recompute, pp_layers, sp, zero,
                 micro_batches=(1, 2, 4), overlap_grad_reduce=True, grad_dtype=None, cp=1, cp_comm="p2p",
-                partial_recompute=False, vpps=(1, 2, 4), fp8=False) -> dict:
+                partial_recompute=False, vpps=(1, 2, 4), fp8=False, fp8_recipe="te") -> dict:
     rows = []
     for micro_batch in micro_batches:
         if batch % (dp * micro_batch):
@@ -438,7 +438,8 @@ def best_layout(model, tp, pp, dp, batch, seq, dtype, device, layers, recompute,
                                                             else layers % (pp * v) == 0))
                    for n in _partial(r, v, pp_layers or (layers // pp,), partial_recompute)]
         rows += evaluate_shape(model, Shape(tp, 1, micro_batch, cp), layouts,
-                               Execution(seq=seq, dtype=dtype, grad_dtype=grad_dtype, stack=STACK, fp8=fp8),
+                               Execution(seq=seq, dtype=dtype, grad_dtype=grad_dtype, stack=STACK, fp8=fp8,
+                                         fp8_recipe=fp8_recipe),
                                System(device))
     fitting = [r for r in rows if r["fits"]] or rows
     return min(fitting, key=lambda r: r["step_ms"]) | {"any_fits": any(r["fits"] for r in rows)}

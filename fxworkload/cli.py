@@ -48,8 +48,10 @@ def build_parser() -> argparse.ArgumentParser:
     extract.add_argument("--topology", default=None, metavar="KEY=VALUE,...", help=TOPOLOGY_HELP)
     extract.add_argument("--fp8", action="store_true", help=FP8_HELP)
     extract.add_argument("--fp8-recipe", default="te", metavar="RECIPE",
-                         help="with --fp8: te (Transformer Engine: amax in the cast's pass, FP8 weights kept a step; "
-                              "default), torchao (torchao's Float8Linear as torchtitan runs it: dynamic tensor-wise "
+                         help="with --fp8: te (Transformer Engine's delayed scaling: amax in the cast's pass, FP8 "
+                              "weights kept a step; default), te-current (its current scaling, Megatron-LM's "
+                              "--fp8-recipe tensorwise: an amax pass before each cast but where LayerNormLinear's norm "
+                              "took it), torchao (torchao's Float8Linear as torchtitan runs it: dynamic tensor-wise "
                               "scaling, an amax pass before each cast, weights cast in every forward) or "
                               "torchao-rowwise (its row-wise recipe: each GEMM's operands cast from 16 bits along its "
                               "reduction axis, the input kept in 16 bits, 16-bit gathers)")

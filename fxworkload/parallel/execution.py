@@ -28,7 +28,7 @@ class Execution:
     parallel: Parallel = field(default_factory=Parallel)
     stack: str = "eager"  # whose kernels and saved activations (workload/stacks.py)
     fp8: bool = False  # the decoder layers' linear GEMMs in FP8 (workload/fp8.py)
-    fp8_recipe: str = "te"  # with fp8: Transformer Engine's scaling, torchao's tensor-wise or its row-wise
+    fp8_recipe: str = "te"  # with fp8: Transformer Engine's delayed or current scaling, torchao's tensor-wise or row-wise
     dropout: bool = True  # False: every dropout probability of the config 0 (a loop in eval mode)
     sdpa_backends: tuple[str, ...] | None = None  # the attention kernels enabled; None: all, in the GPU's order
     attention: str | None = None  # transformers' attention implementation (sdpa, eager, flex); None: the model's

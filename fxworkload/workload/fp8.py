@@ -62,6 +62,16 @@ one pass over the output (read 2, write 2). Sequence parallelism's all-gathers s
 regular tensor parallelism with the row-wise recipes), and so do FSDP's (torchtitan refuses its float8
 all-gather with a recipe name).
 
+``--fp8-recipe te-current`` runs Transformer Engine's current scaling (``recipe.Float8CurrentScaling``, Megatron-LM's
+``--fp8-recipe tensorwise``, NeMo's FP8 recipes of 2025): each cast's scale is the amax of the tensor it casts, so
+``Float8CurrentScalingQuantizer::quantize_impl`` (transformer_engine/pytorch/csrc/quantizer.cpp) runs an amax kernel
+over the 16-bit tensor before the cast (2 + 2 read, 1 + 1 written per element), except where the kernel that made the
+tensor took its amax as it wrote it (``create_hp_tensor_with_amax``): LayerNormLinear's norm (under ``--stack fused``, a
+linear whose input's producer is a norm: Megatron-Core's linear_qkv and linear_fc1) and TE's activations (not
+Megatron-Core's SwiGLU, which feeds linear_fc2 in 16 bits). Its weights are kept in FP8
+a step, as delayed scaling's. Not modelled: the amax all-reduce over the tensor-parallel group of a sequence-parallel
+input (one float).
+
 Not modelled: delayed scaling's amax history; torchao's ``rowwise_with_gw_hp``.
 """
 
@@ -81,9 +91,11 @@ from .table import NodeRow, OpCost, Workload
 CAST_BYTES_PER_ELEMENT = 2 + 1 + 1  # read a 16-bit value, write its FP8 cast and the cast's transpose
 # Bytes per element of one operand's cast, by recipe: Transformer Engine's cast_transpose takes the amax in the
 # same pass; torchao's dynamic scaling reads the tensor once more for its amax first.
-RECIPE_CAST_BYTES = {"te": CAST_BYTES_PER_ELEMENT, "torchao": 2 + CAST_BYTES_PER_ELEMENT}
+RECIPE_CAST_BYTES = {"te": CAST_BYTES_PER_ELEMENT, "torchao": 2 + CAST_BYTES_PER_ELEMENT,
+                     "te-current": 2 + CAST_BYTES_PER_ELEMENT}
 ROWWISE = "torchao-rowwise"
 FP8_RECIPES = (*RECIPE_CAST_BYTES, ROWWISE)
+TE_RECIPES = ("te", "te-current")  # Transformer Engine's: its own kernels, its weights' FP8 copies kept a step
 # torchao's row-wise recipe, bytes per element (module docstring): a cast scaled along the tensor's rows (its
 # contiguous dim), amax and cast in one pass; one scaled down its columns, two passes and a transposed write;
 # the 16-bit output of a backward GEMM scaled after cuBLAS's tensor-wise kernel
@@ -104,8 +116,9 @@ def check_fp8(device: DeviceProfile, dtype: str) -> None:
 
 def check_recipe(recipe: str) -> str:
     if recipe not in FP8_RECIPES:
-        raise UserError(f"unknown --fp8-recipe {recipe!r}: use te (Transformer Engine), torchao (torchao's "
-                        "Float8Linear, dynamic tensor-wise scaling) or torchao-rowwise (its row-wise recipe)")
+        raise UserError(f"unknown --fp8-recipe {recipe!r}: use te (Transformer Engine, delayed scaling), te-current "
+                        "(its current scaling), torchao (torchao's Float8Linear, dynamic tensor-wise scaling) or "
+                        "torchao-rowwise (its row-wise recipe)")
     return recipe
 
 
@@ -117,9 +130,10 @@ def with_fp8(workload: Workload, device: DeviceProfile, stack: str | None, recip
     (``row_parallel``: those modules), are cast on the rank's 1/tp share before the gather, not whole."""
     rowwise = check_recipe(recipe) == ROWWISE
     per_element = RECIPE_CAST_BYTES.get(recipe, 0)
-    weights_each_forward = recipe != "te"  # torchao keeps no FP8 copy: the weight cast in every forward
+    te = recipe in TE_RECIPES
+    weights_each_forward = not te  # torchao keeps no FP8 copy: the weight cast in every forward
     model = device.gpu_model()
-    cast_factor = model.generated_kernel_slowdown if recipe != "te" and STACKS[workload.stack].generates_kernels \
+    cast_factor = model.generated_kernel_slowdown if not te and STACKS[workload.stack].generates_kernels \
         else 1.0  # torchao's casts under torch.compile are inductor's kernels (module docstring)
     retimed: dict[int, OpCost] = {}
     # sibling linears cast their shared input once (module docstring): where the stack builds them as one linear
@@ -127,7 +141,7 @@ def with_fp8(workload: Workload, device: DeviceProfile, stack: str | None, recip
     # before a sequence-parallel gather (tensor-wise: row-wise gathers stay 16-bit)
     stack_of = STACKS[workload.stack]
     one_input_cast = stack_of.merges_sibling_linears or (
-        recipe != "te" and (stack_of.generates_kernels or (sp_tp > 1 and not rowwise)))
+        not te and (stack_of.generates_kernels or (sp_tp > 1 and not rowwise)))
     cast_inputs: set[int] = set()  # the rows whose output some linear's input cast has read already
 
     def fp8(op: OpCost, cast_bytes: int) -> OpCost:
@@ -168,7 +182,10 @@ def with_fp8(workload: Workload, device: DeviceProfile, stack: str | None, recip
             row_wise = within_any(row.module, row_parallel)
             input_cast = m * k // (1 if row_wise else sp_tp) * input_share  # a gathered input: the rank's shard
             gradient_cast = m * n // (sp_tp if row_wise else 1)  # likewise a gathered output gradient
-            casts = ((input_cast + weight_elements) * per_element, gradient_cast * per_element, 0)
+            # current scaling: LayerNormLinear's norm took its output's amax as it wrote it (module docstring)
+            amax_in_norm = recipe == "te-current" and stack_of.merges_sibling_linears and _is_norm(rows, producer)
+            input_per_element = CAST_BYTES_PER_ELEMENT if amax_in_norm else per_element
+            casts = (input_cast * input_per_element + weight_elements * per_element, gradient_cast * per_element, 0)
         rows.append(row.with_ops(fp8(row.forward, casts[0]),
                                  [fp8(op, casts[1] if op.gemm_mkn else 0) for op in row.input_grad],
                                  [fp8(op, casts[2] if op.gemm_mkn else 0) for op in row.weight_grad]))
@@ -191,3 +208,13 @@ def _save_input_in_fp8(rows: list, linear: NodeRow, elements: int, stack: str | 
             halved.add(i)
             rows[i] = row.with_ops(row.forward, row.input_grad, row.weight_grad, saved_bytes=row.saved_bytes - elements)
             return
+
+
+def _is_norm(rows: list, index: int | None) -> bool:
+    """Whether the row at ``index`` is a norm: a norm op, or the last op of a norm module decomposed (HF's RMSNorm,
+    ``input_layernorm``, ``ln_1``)."""
+    if index is None:
+        return False
+    row = rows[index]
+    name = row.module.rsplit(".", 1)[-1].lower()
+    return row.forward.kind == "norm" or "norm" in name or name.startswith("ln")

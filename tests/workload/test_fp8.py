@@ -311,3 +311,29 @@ def test_torchaos_sibling_linears_cast_their_shared_input_once_where_it_is_merge
     assert added == 6 * k * n and m == tokens  # q's cast of the rank's shard, gathered once for all three
     added, (m, k, n) = gathered["q_proj"]
     assert added == 6 * (tokens // 2) * HIDDEN + 6 * k * n
+
+
+def test_te_current_scaling_reads_each_tensor_once_more_for_its_amax_unless_a_norm_took_it(tiny_dirs):
+    """By hand from Transformer Engine's current scaling (quantizer.cpp Float8CurrentScalingQuantizer::quantize_impl:
+    an amax kernel over the 16-bit tensor, then the cast and its transpose: 2 + 2 read, 1 + 1 written an element),
+    over bf16's bytes: every output gradient's cast 6 bytes an element; an input's cast 6, but 4 where
+    LayerNormLinear's norm took the amax as it wrote its output (create_hp_tensor_with_amax: Megatron-Core's
+    linear_qkv and linear_fc1 under --stack fused, whose k/v and up share q's and gate's cast); weights kept in
+    FP8 a step, as delayed scaling's (no cast in the forward)."""
+    def per_element(**args):
+        run, plain = (extract(str(tiny_dirs["llama"]), batch=2, seq=32, dtype="bf16", device="h100-sxm", **extra)
+                      for extra in (dict(fp8=True, fp8_recipe="te-current", **args), args))
+        out = {}
+        for row, base in zip(run.workload.node_rows, plain.workload.node_rows):
+            if row.forward.gemm_dtype == "fp8" and ".layers.0." in row.module:
+                m, k, n = row.forward.gemm_mkn
+                dgrad = [a.bytes - b.bytes for a, b in zip(row.input_grad, base.input_grad) if a.gemm_mkn]
+                out[row.module.rsplit(".", 1)[1]] = ((row.forward.bytes - base.forward.bytes) / (m * k),
+                                                     dgrad[0] / (m * n))
+        return out
+
+    megatron = per_element(stack="fused")
+    assert megatron == {"q_proj": (4, 6), "k_proj": (0, 6), "v_proj": (0, 6), "o_proj": (6, 6),
+                        "gate_proj": (4, 6), "up_proj": (0, 6), "down_proj": (6, 6)}
+    eager = per_element()  # TE's separate Linear modules: each computes its input's amax
+    assert len(eager) == 7 and set(eager.values()) == {(6, 6)}
