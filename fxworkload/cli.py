@@ -47,14 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     extract.add_argument("--stack", default="eager", help=STACK_HELP)
     extract.add_argument("--topology", default=None, metavar="KEY=VALUE,...", help=TOPOLOGY_HELP)
     extract.add_argument("--fp8", action="store_true", help=FP8_HELP)
-    extract.add_argument("--fp8-recipe", default="te", metavar="RECIPE",
-                         help="with --fp8: te (Transformer Engine's delayed scaling: amax in the cast's pass, FP8 "
-                              "weights kept a step; default), te-current (its current scaling, Megatron-LM's "
-                              "--fp8-recipe tensorwise: an amax pass before each cast but where LayerNormLinear's norm "
-                              "took it), torchao (torchao's Float8Linear as torchtitan runs it: dynamic tensor-wise "
-                              "scaling, an amax pass before each cast, weights cast in every forward) or "
-                              "torchao-rowwise (its row-wise recipe: each GEMM's operands cast from 16 bits along its "
-                              "reduction axis, the input kept in 16 bits, 16-bit gathers)")
+    extract.add_argument("--fp8-recipe", default="te", metavar="RECIPE", help=FP8_RECIPE_HELP)
     extract.add_argument("--sdpa-backends", type=_backends, default=None, metavar="LIST", help=SDPA_BACKENDS_HELP)
     extract.add_argument("--attention", default=None, metavar="IMPL", help=ATTENTION_HELP)
     extract.add_argument("--size-unit", choices=["bytes", "elements"], default="bytes",
@@ -136,6 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
                            "--optimizer-cpu-offload); says which layouts that makes fit and what it costs")
     plan.add_argument("--cp", default="1", help="context-parallel degrees to search, comma-separated (default 1)")
     plan.add_argument("--fp8", action="store_true", help=FP8_HELP)
+    plan.add_argument("--fp8-recipe", default="te", metavar="RECIPE", help=FP8_RECIPE_HELP)
     plan.add_argument("--dtype", default="bf16", help="parameter and activation dtype: fp32, bf16 or fp16 (default bf16, "
                                                       "as large runs train; extract's default is fp32)")
     plan.add_argument("--stack", default="eager", help=STACK_HELP)
@@ -211,6 +205,13 @@ SDPA_BACKENDS_HELP = ("the attention kernels the run enables, comma-separated, a
                       "does: flash, efficient, math, cudnn (default: all, in --device's order: cuDNN first on "
                       "H100/H200/B200 as torch 2.10+ with cuDNN > 9.15 chooses; flash,efficient,math is the "
                       "default of torch 2.5.1-2.9; torchtitan's context parallelism runs flash,efficient)")
+FP8_RECIPE_HELP = ("with --fp8: te (Transformer Engine's delayed scaling: amax in the cast's pass, FP8 "
+                   "weights kept a step; default), te-current (its current scaling, Megatron-LM's "
+                   "--fp8-recipe tensorwise: an amax pass before each cast but where LayerNormLinear's norm "
+                   "took it), torchao (torchao's Float8Linear as torchtitan runs it: dynamic tensor-wise "
+                   "scaling, an amax pass before each cast, weights cast in every forward) or "
+                   "torchao-rowwise (its row-wise recipe: each GEMM's operands cast from 16 bits along its "
+                   "reduction axis, the input kept in 16 bits, 16-bit gathers)")
 STACK_HELP = ("execution stack whose kernels and saved activations are costed: eager (HF eager PyTorch, "
               "default), fused (Megatron-LM / Transformer Engine fused kernels; q, k, v one GEMM, gate and up one, as "
               "Megatron-Core's linear_qkv and linear_fc1), compiled (torch.compile of the "
@@ -530,7 +531,7 @@ def run_plan(args) -> int:
                   cp=_degrees(args.cp, "--cp"), fp8=args.fp8, topology=args.topology,
                   overlap_param_gather=args.overlap_param_gather, tp_comm_overlap=args.tp_comm_overlap,
                   offload=args.offload, cuda_graphs=args.cuda_graphs, sdpa_backends=args.sdpa_backends,
-                  attention=args.attention, ep_comm=args.ep_comm)
+                  attention=args.attention, ep_comm=args.ep_comm, fp8_recipe=args.fp8_recipe)
     text = plan_text(result, args.top)
     out = args.out or Path("outputs") / f"{result['model']}-plan-{args.gpus}"
     files = {"plan.json": json.dumps(result, indent=1, sort_keys=True) + "\n", "plan.txt": text}
@@ -539,7 +540,8 @@ def run_plan(args) -> int:
 
         files["plan.png"] = plan_png(result)
     return _publish(out, text, files,
-                    {k: result[k] for k in ("model", "gpus", "global_batch", "seq", "dtype", "fp8", "device", "stack",
+                    {k: result[k] for k in ("model", "gpus", "global_batch", "seq", "dtype", "fp8", "fp8_recipe",
+                                            "device", "stack",
                                             "cp", "topology", "overlap_param_gather", "tp_comm_overlap",
                                             "optimizer_offload", "cuda_graphs")
                      if k in result})

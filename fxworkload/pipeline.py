@@ -44,7 +44,8 @@ from .parallel.sequence_parallel import with_sequence_parallel
 from .progress import say as print_progress
 from .workload import cache as graph_cache
 from .workload.cuda_graphs import with_cuda_graphs
-from .workload.fp8 import check_fp8, with_fp8
+from .workload.fp8 import with_fp8
+from .workload.fp8_recipes import check_fp8
 from .workload.siblings import with_merged_siblings
 from .workload.stacks import check_stack
 from .workload.table import Workload, recost

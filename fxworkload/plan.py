@@ -76,6 +76,7 @@ class Run:
     sdpa_backends: tuple[str, ...] | None = None  # the attention kernels enabled (torch.nn.attention.sdpa_kernel)
     attention: str | None = None  # transformers' attention implementation (sdpa, eager, flex); None: the model's
     ep_comm: str = "alltoall"  # how every layout's MoE tokens reach their experts (Parallel.ep_comm)
+    fp8_recipe: str = "te"  # with fp8: how its GEMMs are scaled (workload/fp8.py)
 
 
 @dataclass(frozen=True)
@@ -322,9 +323,10 @@ def plan(model: str, gpus: int, global_batch: int, seq: int, device: str = "h100
          cp: tuple[int, ...] = (1,), fp8: bool = False, topology: str | None = None,
          overlap_param_gather: bool = False, tp_comm_overlap: bool = False, offload: bool = False,
          cuda_graphs: str = "none", sdpa_backends: tuple[str, ...] | None = None, attention: str | None = None,
-         ep_comm: str = "alltoall") -> dict:
+         ep_comm: str = "alltoall", fp8_recipe: str = "te") -> dict:
     """``device``: one profile name or several, comma-separated (every layout is evaluated on each);
-    ``cp``: the context-parallel degrees to search; ``fp8``: every layout trains in FP8 (workload/fp8.py);
+    ``cp``: the context-parallel degrees to search; ``fp8``: every layout trains in FP8 (workload/fp8.py), its GEMMs
+    scaled as ``fp8_recipe`` says;
     ``topology``: ``--topology key=value,...`` over each device's own network (cost/topology.py);
     ``overlap_param_gather``: ZeRO 1/2 layouts overlap their parameter gathers with the next forward;
     ``tp_comm_overlap``: layouts with tp > 1 overlap their blocks' TP collectives with the GEMMs;
@@ -334,6 +336,7 @@ def plan(model: str, gpus: int, global_batch: int, seq: int, device: str = "h100
     ``attention``: transformers' attention implementation every layout runs (None: the model's default);
     ``ep_comm``: alltoall or deepep, how every layout's MoE tokens reach their experts (Parallel.ep_comm)."""
     from .capture.sdpa_backends import check_attention, check_sdpa_backends
+    from .parallel.execution import Execution
     from .parallel.layout import Parallel, check_values
     from .workload.stacks import check_stack
 
@@ -342,8 +345,9 @@ def plan(model: str, gpus: int, global_batch: int, seq: int, device: str = "h100
     check_values(Parallel(cuda_graphs=cuda_graphs, ep_comm=ep_comm))
     check_sdpa_backends(sdpa_backends)
     check_attention(attention)
+    Execution(fp8=fp8, fp8_recipe=fp8_recipe)  # an unknown recipe, or one without --fp8: said now
     run = Run(model, gpus, global_batch, seq, dtype, stack, check_cp_degrees(cp), fp8, overlap_param_gather,
-              tp_comm_overlap, offload, cuda_graphs, sdpa_backends, attention, ep_comm)
+              tp_comm_overlap, offload, cuda_graphs, sdpa_backends, attention, ep_comm, fp8_recipe)
     systems = Systems(tuple(_plan_device(name, fp8, dtype, topology) for name in _device_names(device)), topology)
     if offload:
         from .cluster.offload import check_host_tier
@@ -365,7 +369,8 @@ def plan(model: str, gpus: int, global_batch: int, seq: int, device: str = "h100
         {"cuda_graphs": cuda_graphs} if cuda_graphs != "none" else {}) | (
         {"sdpa_backends": list(sdpa_backends)} if sdpa_backends is not None else {}) | (
         {"attention": attention} if attention is not None else {}) | (
-        {"ep_comm": ep_comm} if ep_comm != "alltoall" else {})
+        {"ep_comm": ep_comm} if ep_comm != "alltoall" else {}) | (
+        {"fp8_recipe": fp8_recipe} if fp8 else {})
 
 
 def _plan(run: Run, systems: Systems, workers, ray, progress, early) -> dict:
@@ -389,7 +394,8 @@ def _plan(run: Run, systems: Systems, workers, ray, progress, early) -> dict:
                         f"parallelism must divide its {facts.heads} heads within a node of {profiles[0].gpus_per_node}, "
                         f"pipeline stages at most its {facts.layers} layers, and data parallelism x micro-batch the "
                         "global batch; choose a GPU count and batch those divide")
-    settings = {"seq": seq, "dtype": dtype, "stack": run.stack, "fp8": run.fp8, "topology": systems.topology,
+    settings = {"seq": seq, "dtype": dtype, "stack": run.stack, "fp8": run.fp8, "fp8_recipe": run.fp8_recipe,
+                "topology": systems.topology,
                 "sdpa_backends": run.sdpa_backends, "attention": run.attention, "devices": {p.name: asdict(p) for p in profiles}, "config": _raw_config(model)}
     rows = _run(model, groups, settings, _execution(run), systems, workers, ray, progress, early)
     fitting = sorted((r for r in rows if r["fits"]), key=rank_key)
@@ -569,7 +575,7 @@ def _plan_device(name: str, fp8: bool, dtype: str, topology: str | None = None):
     profile = devices.with_topology(profile, topology)
     devices.check_dtype(profile, dtype)
     if fp8:
-        from .workload.fp8 import check_fp8
+        from .workload.fp8_recipes import check_fp8
 
         check_fp8(profile, dtype)
     return profile
@@ -736,8 +742,8 @@ def _execution(run: Run):
     """What every layout of the search runs with (each shape's micro-batch and each layout replace theirs)."""
     from .parallel.execution import Execution
 
-    return Execution(seq=run.seq, dtype=run.dtype, stack=run.stack, fp8=run.fp8, sdpa_backends=run.sdpa_backends,
-                     attention=run.attention)
+    return Execution(seq=run.seq, dtype=run.dtype, stack=run.stack, fp8=run.fp8, fp8_recipe=run.fp8_recipe,
+                     sdpa_backends=run.sdpa_backends, attention=run.attention)
 
 
 def _run(model, groups, settings, execution, systems: Systems, workers, ray_address, progress, early=None

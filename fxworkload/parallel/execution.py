@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, fields
 from ..capture.sdpa_backends import check_attention
 from ..errors import UserError
 from ..limits import check_settings
+from ..workload.fp8_recipes import check_recipe
 from ..workload.stacks import check_stack
 from .layout import Parallel, check_values
 
@@ -52,8 +53,6 @@ class Execution:
         check_stack(self.stack)
         check_attention(self.attention)
         if self.fp8:
-            from ..workload.fp8 import check_recipe  # imports torch: a plan read from its cache never does
-
             check_recipe(self.fp8_recipe)
             if self.fp8_recipe == "torchao-rowwise" and self.parallel.fp8_param_gather:
                 raise UserError("--fp8-param-gather with --fp8-recipe torchao-rowwise: torchao's FSDP float8 "

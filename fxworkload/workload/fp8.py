@@ -86,6 +86,7 @@ from ..errors import UserError
 from .layers import within_any
 from .siblings import input_producer, linear_in_layer, makers_of_input_size
 from .stacks import STACKS
+from .fp8_recipes import ROWWISE, TE_RECIPES, check_recipe
 from .table import NodeRow, OpCost, Workload
 
 CAST_BYTES_PER_ELEMENT = 2 + 1 + 1  # read a 16-bit value, write its FP8 cast and the cast's transpose
@@ -93,33 +94,12 @@ CAST_BYTES_PER_ELEMENT = 2 + 1 + 1  # read a 16-bit value, write its FP8 cast an
 # same pass; torchao's dynamic scaling reads the tensor once more for its amax first.
 RECIPE_CAST_BYTES = {"te": CAST_BYTES_PER_ELEMENT, "torchao": 2 + CAST_BYTES_PER_ELEMENT,
                      "te-current": 2 + CAST_BYTES_PER_ELEMENT}
-ROWWISE = "torchao-rowwise"
-FP8_RECIPES = (*RECIPE_CAST_BYTES, ROWWISE)
-TE_RECIPES = ("te", "te-current")  # Transformer Engine's: its own kernels, its weights' FP8 copies kept a step
 # torchao's row-wise recipe, bytes per element (module docstring): a cast scaled along the tensor's rows (its
 # contiguous dim), amax and cast in one pass; one scaled down its columns, two passes and a transposed write;
 # the 16-bit output of a backward GEMM scaled after cuBLAS's tensor-wise kernel
 ROW_CAST_BYTES = 2 + 1
 COLUMN_CAST_BYTES = 2 + 2 + 1
 RESCALE_BYTES = 2 + 2
-
-
-def check_fp8(device: DeviceProfile, dtype: str) -> None:
-    if dtype not in ("bf16", "fp16"):
-        raise UserError(f"--fp8 runs the linear layers' GEMMs in FP8 around a 16-bit step: use --dtype bf16, not {dtype}")
-    if "fp8" not in device.matmul_flops_per_s:
-        raise UserError(f"device '{device.name}' has no FP8 tensor cores in its profile (matmul_flops_per_s.fp8); "
-                        "--fp8 needs Hopper, Ada, Blackwell or CDNA 3 (see 'fxworkload devices')")
-    if not device.sm_count:
-        raise UserError(f"--fp8 times GEMMs with the GPU model: device '{device.name}' is not a GPU profile")
-
-
-def check_recipe(recipe: str) -> str:
-    if recipe not in FP8_RECIPES:
-        raise UserError(f"unknown --fp8-recipe {recipe!r}: use te (Transformer Engine, delayed scaling), te-current "
-                        "(its current scaling), torchao (torchao's Float8Linear, dynamic tensor-wise scaling) or "
-                        "torchao-rowwise (its row-wise recipe)")
-    return recipe
 
 
 def with_fp8(workload: Workload, device: DeviceProfile, stack: str | None, recipe: str = "te", sp_tp: int = 1,
