@@ -82,11 +82,10 @@ from dataclasses import replace
 from ..cost.devices import DeviceProfile
 from ..cost.gpu import memory_ns
 from ..cost.optime import gpu_op_ns
-from ..errors import UserError
+from .fp8_recipes import ROWWISE, TE_RECIPES, check_recipe
 from .layers import within_any
 from .siblings import input_producer, linear_in_layer, makers_of_input_size
 from .stacks import STACKS
-from .fp8_recipes import ROWWISE, TE_RECIPES, check_recipe
 from .table import NodeRow, OpCost, Workload
 
 CAST_BYTES_PER_ELEMENT = 2 + 1 + 1  # read a 16-bit value, write its FP8 cast and the cast's transpose
