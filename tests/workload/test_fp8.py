@@ -337,3 +337,8 @@ def test_te_current_scaling_reads_each_tensor_once_more_for_its_amax_unless_a_no
                         "gate_proj": (4, 6), "up_proj": (0, 6), "down_proj": (6, 6)}
     eager = per_element()  # TE's separate Linear modules: each computes its input's amax
     assert len(eager) == 7 and set(eager.values()) == {(6, 6)}
+    # TP 2 + SP: a gathered tensor is cast on the rank's half before the gather (the column-parallel q's and
+    # gate's input, the row-parallel o's and down's output gradient): per element of the gathered tensor, half
+    gathered = per_element(stack="fused", parallel=Parallel(tp=2, sp=True))
+    assert gathered == {"q_proj": (2, 6), "k_proj": (0, 6), "v_proj": (0, 6), "o_proj": (6, 3),
+                        "gate_proj": (2, 6), "up_proj": (0, 6), "down_proj": (6, 3)}
