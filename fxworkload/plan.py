@@ -345,7 +345,8 @@ def plan(model: str, gpus: int, global_batch: int, seq: int, device: str = "h100
     check_values(Parallel(cuda_graphs=cuda_graphs, ep_comm=ep_comm))
     check_sdpa_backends(sdpa_backends)
     check_attention(attention)
-    Execution(fp8=fp8, fp8_recipe=fp8_recipe)  # an unknown recipe, or one without --fp8: said now
+    # an unknown recipe, or one without --fp8: said before any worker starts
+    Execution(dtype=dtype, fp8=fp8, fp8_recipe=fp8_recipe).checked()
     run = Run(model, gpus, global_batch, seq, dtype, stack, check_cp_degrees(cp), fp8, overlap_param_gather,
               tp_comm_overlap, offload, cuda_graphs, sdpa_backends, attention, ep_comm, fp8_recipe)
     systems = Systems(tuple(_plan_device(name, fp8, dtype, topology) for name in _device_names(device)), topology)

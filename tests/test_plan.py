@@ -483,6 +483,14 @@ def test_plan_scales_fp8_as_its_recipe_says_and_asked_again_never_imports_torch(
     assert current and all(r["step_ms"] > delayed[key(r)]["step_ms"] for r in current)
 
 
+@pytest.mark.parametrize("flags, says", [(("--fp8", "--fp8-recipe", "bogus"), "unknown --fp8-recipe 'bogus'"),
+                                         (("--fp8-recipe", "torchao"), "it needs --fp8")])
+def test_plan_refuses_a_bad_fp8_recipe_in_one_line(four_layers, tmp_path, flags, says):
+    run = fxworkload("plan", four_layers, "--gpus", 2, "--global-batch", 2, "--seq", 16, *flags, "--out", tmp_path / "p")
+    assert run.returncode != 0 and says in run.stderr, run.stderr
+    assert len(run.stderr.strip().splitlines()) == 1 and not (tmp_path / "p").exists()
+
+
 @pytest.mark.parametrize("value, says", [("nic-gbps=fast", "--topology: nic-gbps=fast is not a number"),
                                          ("speed=3", "--topology: 'speed=3' is not key=value")])
 def test_plan_refuses_a_bad_topology_in_one_line(four_layers, tmp_path, value, says):
