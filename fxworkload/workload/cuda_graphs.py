@@ -23,8 +23,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ..cost.devices import DeviceProfile
-from .layers import layer_of
 from ..cost.optime import gpu_op_ns
+from .layers import layer_of
 from .table import NodeRow, OpCost, Workload, kernel_dtype, op_dispatch_ns
 
 

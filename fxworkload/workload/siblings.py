@@ -110,11 +110,13 @@ def with_merged_siblings(workload: Workload, device: DeviceProfile, layer_stack:
         phases = {"forward": [[r.forward] for r in members],
                   "input_grad": [[op for op in r.input_grad if op.gemm_mkn] for r in members],
                   "weight_grad": [[op for op in r.weight_grad if op.gemm_mkn] for r in members]}
-        merged = {phase: _merged_ops([ops[0] for ops in lists], members, phase, device)
-                  for phase, lists in phases.items() if all(len(ops) == 1 for ops in lists)}
+        retimed = {}  # id of a member's GEMM op -> the op with its share of the one GEMM
+        for phase, lists in phases.items():
+            if all(len(ops) == 1 for ops in lists):
+                ops = [ops[0] for ops in lists]
+                retimed.update({id(op): new for op, new in zip(ops, _merged_ops(ops, members, phase, device))
+                                if new is not None})
         for i, row in zip(group, members):
-            retimed = {id(op): new for phase in merged for op, new in zip((ops[0] for ops in phases[phase]),
-                                                                          merged[phase]) if new is not None}
             rows[i] = row.with_ops(retimed.get(id(row.forward), row.forward),
                                    [retimed.get(id(op), op) for op in row.input_grad],
                                    [retimed.get(id(op), op) for op in row.weight_grad])
