@@ -461,44 +461,30 @@ def exposed_comms_ns(unit: Unit, phase: str, p: Parallel, device: DeviceProfile)
     """Per group, the time a unit's pass of ``phase`` waits on its collectives: the blocking ones whole;
     those overlapped with the unit's attention core (CP's ring: in backward its key/value steps and the
     key/value gradients' both run beside the one core, on the same links) what their sum outlasts it by;
-    tensor-parallel ones overlapped with the unit's GEMMs (--tp-comm-overlap) what they outlast those by,
-    and at least one of the tp chunks they are pipelined in (Transformer Engine's userbuffers split an
-    all-gather + GEMM or GEMM + reduce-scatter into tp steps: the first chunk's transfer, or the last's,
-    has no GEMM beside it). One beside the row-parallel linear's input-gradient GEMM only (AsyncTP's backward
-    gather) is set against that GEMM alone, which the others then do not count. A tensor-parallel collective's
-    own kernel on the compute stream (AsyncTP's sum of a reduce-scatter's partial products) is waited for whole."""
+    tensor-parallel ones overlapped with GEMMs (--tp-comm-overlap: Comm.beside, collectives._overlapped_tp)
+    what they outlast the GEMMs they are pipelined with by, and at least one of the tp chunks they are
+    pipelined in (the first chunk's transfer, or the last's, has no GEMM beside it). A tensor-parallel
+    collective's own kernel on the compute stream (AsyncTP's sum of a reduce-scatter's partial products) is
+    waited for whole."""
     out: dict[str, float] = {}
-    overlapped: dict[str, float] = {}
-    beside_dgrad_ns = 0.0
-    own_kernels = [c for c in unit.comms[phase] if c.group == "tp" and c.copy_bytes]  # AsyncTP's reduction kernel
+    beside_core: dict[str, float] = {}
+    beside_gemms: dict[str, float] = {}
     for c in unit.comms[phase]:
-        if c.beside == "dgrad":
-            beside_dgrad_ns += comm_ns(c, p, device)
-            continue
-        into = overlapped if c.overlapped else out
-        into[c.group] = into.get(c.group, 0.0) + comm_ns(c, p, device)
-    phases = (FORWARD,) if phase == FORWARD else (INPUT_GRAD, WEIGHT_GRAD)
-    dgrad_ns = _row_parallel_dgrad_ns(unit) if beside_dgrad_ns else 0.0
-    for group, ns in overlapped.items():
-        if group == "tp":
-            gemm = sum(op.estimated_ns for ph in phases for op in unit.ops(ph) if op.kind == "matmul") - dgrad_ns
-            out[group] = out.get(group, 0.0) + max(ns / p.tp, ns - gemm)
-        else:
-            core = sum(unit.core_ns[ph] for ph in phases)
+        ns = comm_ns(c, p, device)
+        into = out if not c.overlapped else beside_gemms if c.beside else beside_core
+        key = c.beside if c.overlapped and c.beside else c.group
+        into[key] = into.get(key, 0.0) + ns
+    for beside, ns in beside_gemms.items():
+        out["tp"] = out.get("tp", 0.0) + max(ns / p.tp, ns - unit.gemms_beside_ns(phase, beside))
+    if beside_core:
+        phases = (FORWARD,) if phase == FORWARD else (INPUT_GRAD, WEIGHT_GRAD)
+        core = sum(unit.core_ns[ph] for ph in phases)
+        for group, ns in beside_core.items():
             out[group] = out.get(group, 0.0) + max(ns - core, 0.0)
-    if beside_dgrad_ns:
-        out["tp"] = out.get("tp", 0.0) + max(beside_dgrad_ns / p.tp, beside_dgrad_ns - dgrad_ns)
+    own_kernels = [c for c in unit.comms[phase] if c.group == "tp" and c.copy_bytes]  # AsyncTP's reduction kernel
     if own_kernels:
         out["tp"] = out.get("tp", 0.0) + copy_kernels_ns(own_kernels, device)
     return out
-
-
-def _row_parallel_dgrad_ns(unit: Unit) -> float:
-    """The input-gradient GEMM of the unit's last linear layer (its row-parallel one: o_proj, down_proj): the
-    last GEMM of that row's backward (a recomputed forward's GEMM, where there is one, comes first)."""
-    linear = next((row for row in reversed(unit.rows) if row.forward.kind == "matmul"), None)
-    gemms = [op for op in (linear.input_grad if linear else []) if op.kind == "matmul"]
-    return gemms[-1].estimated_ns if gemms else 0.0
 
 
 def _blocking_comm(passes: list[tuple[float, dict[str, float]]]) -> dict[str, float]:

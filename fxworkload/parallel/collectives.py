@@ -25,7 +25,7 @@ from ..capture.trace import FORWARD, INPUT_GRAD, WEIGHT_GRAD
 from ..memo import Memo
 from .layout import POST_FORWARD, Parallel
 from .recompute import is_recomputed
-from .units import EMBEDDING, HEAD, LAYER, Comm, Unit, is_expert
+from .units import DGRAD, EMBEDDING, HEAD, LAYER, PRODUCER, READERS, WGRAD, Comm, Unit, is_expert
 
 ALLREDUCE, ALLGATHER, REDUCESCATTER, ALLTOALL = "ALLREDUCE", "ALLGATHER", "REDUCESCATTER", "ALLTOALL"
 LOSS_BYTES_PER_TOKEN = 4  # Megatron's vocab-parallel cross entropy reduces fp32 values
@@ -109,23 +109,39 @@ def _last_gemm_recomputed(unit: Unit) -> bool:
 
 
 def _overlapped_tp(forward: list[Comm], backward: list[Comm], how: str, tp: int) -> tuple[list[Comm], list[Comm]]:
-    """A decoder block's (forward, backward) sequence-parallel collectives as --tp-comm-overlap runs them.
-    Transformer Engine's userbuffers overlap all four with GEMMs (the backward's reduce-scatter with the weight-
-    gradient GEMM). torch's AsyncTP (torch/_inductor/fx_passes/micro_pipeline_tp.py) fuses an all-gather with
-    the matmuls reading its output, and a reduce-scatter with the one matmul producing its input: in forward
-    both (the block input's gather with q/k/v or gate/up, the output's reduce-scatter with o/down); in
-    backward the output gradient's gather with the o/down input-gradient matmul only (the weight gradient
-    reads it transposed, which the pass does not match), while the input gradient's reduce-scatter reads the
-    sum of the q/k/v (gate/up) input-gradient matmuls, no single matmul, and stays a blocking NCCL call. A fused
-    reduce-scatter's partial products are copied to their owners unreduced and summed by a kernel of its own on
-    the compute stream (_fused_matmul_reduce_scatter_impl: the tp partials, the whole buffer, read; 1/tp of it
-    written), where NCCL reduces inside its kernel."""
-    if how == "userbuffers":
-        return [replace(c, overlapped=True) for c in forward], [replace(c, overlapped=True) for c in backward]
-    gather, scatter = backward
-    fused = [replace(c, overlapped=True, copy_bytes=c.bytes + c.bytes // tp if c.type == REDUCESCATTER else 0)
+    """A decoder block's (forward, backward) sequence-parallel collectives as --tp-comm-overlap runs them, each
+    pipelined with the GEMMs it feeds or follows (Comm.beside), never with the block's other GEMMs: a chunk's
+    GEMM can start only once its chunk has arrived, and the next collective waits on GEMMs still to come.
+    Forward, both stacks: the block input's gather beside the GEMMs reading it (q/k/v or gate/up), the output's
+    reduce-scatter beside the one making its input (o or down). Transformer Engine's userbuffers, backward: the
+    output gradient's gather beside the o/down input-gradient GEMM, the input gradient's reduce-scatter beside
+    the q/k/v (gate/up) weight-gradient GEMMs (its bulk wgrad overlap, on in Megatron-Core's default
+    tp_comm_bulk_wgrad). torch's AsyncTP (torch/_inductor/fx_passes/micro_pipeline_tp.py) fuses an all-gather
+    with the matmuls reading its output and a reduce-scatter with the one matmul producing its input; in
+    backward only the output gradient's gather matches (the weight gradient reads it transposed, which the pass
+    does not match), while the input gradient's reduce-scatter reads the sum of the q/k/v (gate/up)
+    input-gradient matmuls, no single matmul, and stays a blocking NCCL call. A fused reduce-scatter's partial
+    products are copied to their owners unreduced and summed by a kernel of its own on the compute stream
+    (_fused_matmul_reduce_scatter_impl: the tp partials, the whole buffer, read; 1/tp of it written), where
+    NCCL reduces inside its kernel; a fused all-gather first copies the rank's shard into its symmetric-memory
+    buffer on the compute stream, before the first chunk's matmul (_pipelined_multi_all_gather_and_consume's
+    "mv", not overlapped: "giving up the chance to overlap mv and b with the first shard_consumer"). The tp
+    chunk matmuls run on two streams in turn, so one's last wave overlaps the next ("greatly reducing
+    quantization inefficiency"): costed as the one GEMM they make up."""
+    asynctp = how != "userbuffers"
+    fused = [replace(c, overlapped=True, beside=READERS if c.type == ALLGATHER else PRODUCER,
+                     copy_bytes=_asynctp_copy_bytes(c, tp) if asynctp else 0)
              for c in forward]
-    return fused, [replace(gather, overlapped=True, beside="dgrad"), scatter]
+    gather, scatter = backward
+    scatter = scatter if asynctp else replace(scatter, overlapped=True, beside=WGRAD)
+    return fused, [replace(gather, overlapped=True, beside=DGRAD,
+                           copy_bytes=_asynctp_copy_bytes(gather, tp) if asynctp else 0), scatter]
+
+
+def _asynctp_copy_bytes(comm: Comm, tp: int) -> int:
+    """What AsyncTP's own kernel on the compute stream moves for a fused collective: a reduce-scatter's sum of
+    the partial products (all tp read, one written), an all-gather's copy of the shard (read and written)."""
+    return comm.bytes + comm.bytes // tp if comm.type == REDUCESCATTER else 2 * (comm.bytes // tp)
 
 
 def _tp_comms(p: Parallel, act: int, loss: int, fp8_gathered: int = 0

@@ -12,11 +12,17 @@ import functools
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from ..capture.trace import PHASES
+from ..capture.trace import FORWARD, PHASES
 from ..workload.layers import layer_of
 from ..workload.table import GradRow, NodeRow, Workload
+from .recompute import is_recomputed
 
 EMBEDDING, ATTENTION, MLP, LAYER, HEAD = "embedding", "attention", "mlp", "layer", "head"
+# What a block's overlapped tensor-parallel collective runs beside (Comm.beside): the column-parallel linears'
+# GEMMs that read the gathered block input (q/k/v, gate/up), the row-parallel linear's GEMM that makes the
+# reduce-scattered output (o, down), that linear's input-gradient GEMM, the column-parallel linears'
+# weight-gradient GEMMs. In a backward pass READERS and PRODUCER are the recomputed forward's copies.
+READERS, PRODUCER, DGRAD, WGRAD = "readers", "producer", "dgrad", "wgrad"
 
 
 @dataclass(frozen=True)
@@ -26,8 +32,8 @@ class Comm:
     bytes: int  # the collective's whole buffer, as SimAI and NCCL count it
     what: str  # why it happens, for timelines
     overlapped: bool = False  # runs beside the unit's attention core (CP's ring): only what outlasts it is exposed
-    # what an overlapped tensor-parallel collective runs beside: "" every GEMM of its pass (userbuffers); "dgrad"
-    # only the input-gradient GEMM of the unit's row-parallel linear (AsyncTP's fused all-gather + matmul in backward)
+    # the GEMMs an overlapped tensor-parallel collective is pipelined with (Unit.gemms_beside_ns): READERS, PRODUCER,
+    # DGRAD or WGRAD; "" for one that is not tensor-parallel (CP's ring runs beside the attention core)
     beside: str = ""
     # the bytes a memory-bound kernel of its own moves on the compute stream with this collective: ZeRO 3 as
     # FSDP2 runs it (the gathered parameters' copy-out after a gather, the gradients' copy-in before a
@@ -57,6 +63,8 @@ class Unit:
     core_ns: dict[str, float] | None = None  # phase -> its attention core's time (what CP's ring overlaps)
     host_wait_ns: dict[str, float] | None = None  # phase -> what the GPU waits on the host's dispatch (in costs)
     saved_bytes: int | None = None  # its rows' saved activations, summed once with ``costs``
+    # (phase, beside) -> gemms_beside_ns, filled as asked; shared by a layout's copies of the unit (same rows)
+    beside_ns: dict[tuple[str, str], float] = field(default_factory=dict)
 
     def saved(self) -> int:
         return self.saved_bytes if self.saved_bytes is not None else sum(row.saved_bytes for row in self.rows)
@@ -83,6 +91,42 @@ class Unit:
 
     def attention_core_ns(self, phase: str) -> float:
         return sum(op.estimated_ns for op in self.ops(phase) if op.sdpa_backend)
+
+    def gemms_beside_ns(self, phase: str, beside: str) -> float:
+        """The time of the GEMMs a collective of ``phase`` overlapped ``beside`` them is pipelined with."""
+        key = (phase, beside)
+        if key not in self.beside_ns:
+            self.beside_ns[key] = sum(op.estimated_ns for op in gemms_beside(self.rows, phase, beside))
+        return self.beside_ns[key]
+
+
+def linears(rows: list[NodeRow]) -> list[NodeRow]:
+    """The rows of linear layers: one matrix's GEMM (not attention's batched ones, nor a fused attention)."""
+    return [r for r in rows if r.forward.kind == "matmul" and r.forward.gemm_mkn is not None
+            and r.forward.gemm_batch == 1 and not r.forward.sdpa_backend]
+
+
+def gemms_beside(rows: list[NodeRow], phase: str, beside: str) -> list:
+    """The GEMM ops of a block's rows that an overlapped collective of ``phase`` runs beside (READERS ...: the
+    block's linears, the last its row-parallel one; the readers those reading the first one's input)."""
+    layers = linears(rows)
+    if not layers:
+        return []
+    producer = layers[-1]
+    if beside == DGRAD:
+        return [op for op in producer.input_grad if op.kind == "matmul"][-1:]
+    readers = [r for r in layers[:-1] if _input_elements(r) == _input_elements(layers[0])]
+    if beside == WGRAD:
+        return [op for r in readers for op in r.weight_grad if op.kind == "matmul"]
+    chosen = readers if beside == READERS else [producer]
+    if phase == FORWARD:
+        return [r.forward for r in chosen]
+    return [r.input_grad[0] for r in chosen if is_recomputed(r)]  # a recomputed forward's copies
+
+
+def _input_elements(row: NodeRow) -> int:
+    m, k, _ = row.forward.gemm_mkn
+    return m * k
 
 
 def split(workload: Workload, stack: str | None, row_parallel: list[str]) -> list[Unit]:

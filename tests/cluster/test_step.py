@@ -185,30 +185,61 @@ def test_overlap_param_gather_needs_zero_1_or_2(tiny_dirs):
         extract(str(tiny_dirs["llama"]), seq=16, device="h100-sxm", parallel=Parallel(dp=2, overlap_param_gather=True))
 
 
-def test_tp_comm_overlap_exposes_what_outlasts_the_gemms_and_one_chunk(tiny_dirs):
-    """--tp-comm-overlap (Transformer Engine's userbuffers): a decoder block's sequence-parallel all-gathers and
-    reduce-scatters run beside its GEMMs, pipelined in tp chunks: the pass waits for what outlasts the GEMMs,
-    and at least one chunk's transfer (1/tp of it). By hand on each block unit, forward and backward; the
-    embedding's and the head's collectives stay blocking."""
-    from fxworkload.capture.trace import FORWARD, INPUT_GRAD, WEIGHT_GRAD
+# a decoder block's linears by name (HF Llama): those reading the gathered block input, and the row-parallel one
+READERS = {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"}
+PRODUCERS = {"o_proj", "down_proj"}
+
+
+def _linear_rows(unit, names):
+    return [r for r in unit.rows if r.forward.kind == "matmul" and r.module.rsplit(".", 1)[-1] in names]
+
+
+def _pipelined_ns(comm_ns_, gemm_ns, tp):
+    """A collective pipelined in tp chunks with GEMMs: what it outlasts them by, and at least one chunk."""
+    return max(comm_ns_ / tp, comm_ns_ - gemm_ns)
+
+
+def test_tp_comm_overlap_pipelines_each_collective_with_its_own_gemms(tiny_dirs):
+    """--tp-comm-overlap (Transformer Engine's userbuffers): each of a decoder block's sequence-parallel
+    collectives is pipelined in tp chunks with the GEMMs it feeds or follows, never with the block's others (a
+    chunk's GEMM waits for its chunk; the next collective waits on GEMMs still to come): forward, the input's
+    gather beside q/k/v (gate/up) and the output's reduce-scatter beside o (down); backward, the output
+    gradient's gather beside o's (down's) input-gradient GEMM and the input gradient's reduce-scatter beside
+    q/k/v's (gate/up's) weight-gradient GEMMs (TE's bulk wgrad overlap). As a two-stream timeline by hand, the
+    GEMMs picked by module name; the embedding's and the head's collectives stay blocking."""
+    from fxworkload.capture.trace import FORWARD, INPUT_GRAD
     from fxworkload.cluster.network import comm_ns
     from fxworkload.cluster.step import exposed_comms_ns
 
-    def run(overlap):
-        return extract(str(tiny_dirs["llama"]), batch=2, seq=64, device="h100-sxm",
+    def run(overlap):  # 2,048 sequences: collectives that outlast some GEMMs, not all of the pass's
+        return extract(str(tiny_dirs["llama"]), batch=2048, seq=64, device="h100-sxm",
                        parallel=Parallel(tp=2, sp=True, micro_batches=2, tp_comm_overlap=overlap))
 
     plain, overlapped = run(False), run(True)
-    p = overlapped.rank.parallel
+    p, device = overlapped.rank.parallel, overlapped.device
     blocks = [u for u in overlapped.rank.units if u.layer is not None]
-    assert blocks
+    assert {u.block for u in blocks} == {"attention", "mlp"}
+    pooled_differs = False
     for unit in blocks:
-        for phase, gemm_phases in ((FORWARD, (FORWARD,)), (INPUT_GRAD, (INPUT_GRAD, WEIGHT_GRAD))):
-            comms = [c for c in unit.comms[phase] if c.group == "tp"]
-            assert comms and all(c.overlapped for c in comms)
-            total = sum(comm_ns(c, p, overlapped.device) for c in comms)
-            gemm = sum(op.estimated_ns for ph in gemm_phases for op in unit.ops(ph) if op.kind == "matmul")
-            assert exposed_comms_ns(unit, phase, p, overlapped.device)["tp"] == pytest.approx(max(total / 2, total - gemm))
+        readers, (producer,) = _linear_rows(unit, READERS), _linear_rows(unit, PRODUCERS)
+        assert len(readers) in (2, 3)
+        gather, scatter = [c for c in unit.comms[FORWARD] if c.group == "tp"]
+        assert (gather.type, scatter.type) == ("ALLGATHER", "REDUCESCATTER") and gather.overlapped and scatter.overlapped
+        g, r = comm_ns(gather, p, device), comm_ns(scatter, p, device)
+        forward = exposed_comms_ns(unit, FORWARD, p, device)["tp"]
+        assert forward == pytest.approx(_pipelined_ns(g, sum(x.forward.estimated_ns for x in readers), 2)
+                                        + _pipelined_ns(r, producer.forward.estimated_ns, 2))
+        every_gemm = sum(op.estimated_ns for op in unit.ops(FORWARD) if op.kind == "matmul")
+        pooled_differs |= forward != pytest.approx(_pipelined_ns(g + r, every_gemm, 2))
+        gather, scatter = [c for c in unit.comms[INPUT_GRAD] if c.group == "tp"]
+        assert (gather.type, scatter.type) == ("ALLGATHER", "REDUCESCATTER") and gather.overlapped and scatter.overlapped
+        dgrad = [op for op in producer.input_grad if op.kind == "matmul"][-1].estimated_ns
+        wgrad = sum(op.estimated_ns for x in readers for op in x.weight_grad if op.kind == "matmul")
+        g, r = comm_ns(gather, p, device), comm_ns(scatter, p, device)
+        assert exposed_comms_ns(unit, INPUT_GRAD, p, device)["tp"] == pytest.approx(
+            _pipelined_ns(g, dgrad, 2) + _pipelined_ns(r, wgrad, 2))
+    # the pairing is what is tested: here a forward set against all of its GEMMs would expose less
+    assert pooled_differs
     assert not any(c.overlapped for u in overlapped.rank.units if u.layer is None for ph in (FORWARD, INPUT_GRAD)
                    for c in u.comms[ph])
     assert overlapped.cluster.exposed_ns["tp"] < plain.cluster.exposed_ns["tp"]
@@ -218,43 +249,76 @@ def test_tp_comm_overlap_exposes_what_outlasts_the_gemms_and_one_chunk(tiny_dirs
 def test_asynctp_overlaps_the_patterns_inductor_fuses_and_no_others(tiny_dirs):
     """--stack compiled --tp-comm-overlap is torch's AsyncTP: inductor's micro-pipeline TP pass
     (torch/_inductor/fx_passes/micro_pipeline_tp.py) fuses an all-gather with the matmuls reading it and a
-    reduce-scatter with the one matmul making its input. As a two-stream timeline by hand: forward, both
-    collectives beside the block's GEMMs (what outlasts them, at least one chunk); backward, the output
-    gradient's gather beside the o/down input-gradient GEMM alone, and the input gradient's reduce-scatter,
-    whose input is a sum of q/k/v (gate/up) GEMMs, blocking whole; the fused reduce-scatter's partial products
-    summed by a kernel of AsyncTP's own on the compute stream (torch's _fused_matmul_reduce_scatter_impl)."""
+    reduce-scatter with the one matmul making its input. As a two-stream timeline by hand: forward, the gather
+    beside q/k/v (gate/up) and the reduce-scatter beside o (down), each what outlasts its GEMMs, at least one
+    chunk; backward, the output gradient's gather beside the o/down input-gradient GEMM alone, and the input
+    gradient's reduce-scatter, whose input is a sum of q/k/v (gate/up) GEMMs, blocking whole. On the compute
+    stream, AsyncTP's own kernels (torch/distributed/_symmetric_memory): a fused reduce-scatter's partial
+    products summed (_fused_matmul_reduce_scatter_impl: all tp read, one written), a fused gather's shard
+    copied into its symmetric buffer before the first matmul (_pipelined_multi_all_gather_and_consume)."""
     from fxworkload.capture.trace import FORWARD, INPUT_GRAD
     from fxworkload.cluster.network import comm_ns
     from fxworkload.cluster.step import exposed_comms_ns
     from fxworkload.cost.gpu import memory_ns
 
-    result = extract(str(tiny_dirs["llama"]), batch=2, seq=64, device="h100-sxm", stack="compiled",
+    result = extract(str(tiny_dirs["llama"]), batch=2048, seq=64, device="h100-sxm", stack="compiled",
                      parallel=Parallel(tp=2, sp=True, micro_batches=2, tp_comm_overlap=True))
     p, device = result.rank.parallel, result.device
+
+    def copy_ns(nbytes):
+        return memory_ns(nbytes, device.gpu_facts(), device.gpu_model())
+
     blocks = [u for u in result.rank.units if u.layer is not None]
     assert {u.block for u in blocks} == {"attention", "mlp"}
     for unit in blocks:
-        forward = [c for c in unit.comms[FORWARD] if c.group == "tp"]
-        assert [c.type for c in forward] == ["ALLGATHER", "REDUCESCATTER"] and all(c.overlapped for c in forward)
-        total = sum(comm_ns(c, p, device) for c in forward)
-        gemm = sum(op.estimated_ns for op in unit.ops(FORWARD) if op.kind == "matmul")
-        # the reduce-scatter's tp partial products summed by a kernel of its own: the whole buffer read, 1/tp written
-        assert [c.copy_bytes for c in forward] == [0, forward[1].bytes * 3 // 2]
-        summed_ns = memory_ns(forward[1].bytes * 3 // 2, device.gpu_facts(), device.gpu_model())
-        assert exposed_comms_ns(unit, FORWARD, p, device)["tp"] == pytest.approx(max(total / 2, total - gemm)
-                                                                                  + summed_ns)
+        readers, (producer,) = _linear_rows(unit, READERS), _linear_rows(unit, PRODUCERS)
+        gather, scatter = [c for c in unit.comms[FORWARD] if c.group == "tp"]
+        assert (gather.type, scatter.type) == ("ALLGATHER", "REDUCESCATTER") and gather.overlapped and scatter.overlapped
+        # the shard (half the gathered bytes at tp 2) read and written; the two partials read, one written
+        assert (gather.copy_bytes, scatter.copy_bytes) == (gather.bytes, scatter.bytes * 3 // 2)
+        g, r = comm_ns(gather, p, device), comm_ns(scatter, p, device)
+        assert exposed_comms_ns(unit, FORWARD, p, device)["tp"] == pytest.approx(
+            _pipelined_ns(g, sum(x.forward.estimated_ns for x in readers), 2)
+            + _pipelined_ns(r, producer.forward.estimated_ns, 2) + copy_ns(gather.bytes) + copy_ns(scatter.bytes * 3 // 2))
         gather, scatter = [c for c in unit.comms[INPUT_GRAD] if c.group == "tp"]
         assert (gather.type, gather.overlapped, scatter.type, scatter.overlapped) == (
             "ALLGATHER", True, "REDUCESCATTER", False)
-        linear = [r for r in unit.rows if r.forward.kind == "matmul"][-1]  # o_proj or down_proj, by hand
-        assert linear.module.endswith(("o_proj", "down_proj"))
-        dgrad = [op for op in linear.input_grad if op.kind == "matmul"][-1].estimated_ns
+        dgrad = [op for op in producer.input_grad if op.kind == "matmul"][-1].estimated_ns
         g, r = comm_ns(gather, p, device), comm_ns(scatter, p, device)
-        assert exposed_comms_ns(unit, INPUT_GRAD, p, device)["tp"] == pytest.approx(max(g / 2, g - dgrad) + r)
-    userbuffers = extract(str(tiny_dirs["llama"]), batch=2, seq=64, device="h100-sxm", stack="fused",
-                          parallel=Parallel(tp=2, sp=True, micro_batches=2, tp_comm_overlap=True))
-    assert all(c.overlapped for u in userbuffers.rank.units if u.layer is not None
-               for c in u.comms[INPUT_GRAD] if c.group == "tp")
+        assert exposed_comms_ns(unit, INPUT_GRAD, p, device)["tp"] == pytest.approx(
+            _pipelined_ns(g, dgrad, 2) + r + copy_ns(gather.bytes))
+
+
+def test_asynctp_under_full_recomputation_pairs_the_recomputed_forward_with_its_own_gemms(tiny_dirs):
+    """Full recomputation under AsyncTP: the backward's recomputed forward runs its fused collectives again,
+    each beside the recomputed copies of its own GEMMs (q/k/v or gate/up; o, whose output the next norm's
+    backward reads through the residual stream), not beside the backward's input- and weight-gradient GEMMs.
+    By hand on the attention blocks: every recomputed GEMM is its forward's copy, so the recomputed
+    collectives expose what they did in forward."""
+    from fxworkload.capture.trace import FORWARD, INPUT_GRAD
+    from fxworkload.cluster.network import comm_ns
+    from fxworkload.cluster.step import exposed_comms_ns
+    from fxworkload.cost.gpu import memory_ns
+
+    result = extract(str(tiny_dirs["llama"]), batch=2048, seq=64, device="h100-sxm", stack="compiled",
+                     parallel=Parallel(tp=2, sp=True, micro_batches=2, tp_comm_overlap=True, recompute="full"))
+    p, device = result.rank.parallel, result.device
+    attention = [u for u in result.rank.units if u.block == "attention"]
+    assert attention
+    for unit in attention:
+        forward = [c for c in unit.comms[FORWARD] if c.group == "tp"]
+        backward = [c for c in unit.comms[INPUT_GRAD] if c.group == "tp"]
+        again, own = backward[:2], backward[2:]
+        assert [c.what for c in again] == [f"{c.what}, recomputed forward" for c in forward]
+        for row in _linear_rows(unit, READERS | PRODUCERS):
+            assert row.input_grad[0].fx_name == row.forward.fx_name  # recomputed: its copy heads its backward
+        gather, scatter = own
+        producer, = _linear_rows(unit, PRODUCERS)
+        dgrad = [op for op in producer.input_grad if op.kind == "matmul"][-1].estimated_ns
+        g, r = comm_ns(gather, p, device), comm_ns(scatter, p, device)
+        own_ns = _pipelined_ns(g, dgrad, 2) + r + memory_ns(gather.bytes, device.gpu_facts(), device.gpu_model())
+        assert exposed_comms_ns(unit, INPUT_GRAD, p, device)["tp"] == pytest.approx(
+            exposed_comms_ns(unit, FORWARD, p, device)["tp"] + own_ns)
 
 
 def test_full_recomputation_runs_the_blocks_collectives_again_before_their_backward(tiny_dirs):
