@@ -42,8 +42,9 @@ from tabulate import tabulate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from fxworkload.capture.trace import PHASES  # noqa: E402
+from fxworkload.capture.trace import FORWARD, INPUT_GRAD, PHASES  # noqa: E402
 from fxworkload.cluster.network import NIC_EFFICIENCY, choose, nvlink_bus_bytes_per_s  # noqa: E402
+from fxworkload.cluster.step import exposed_comms_ns  # noqa: E402
 from fxworkload.cost.devices import load  # noqa: E402
 from fxworkload.formats import simai  # noqa: E402
 from fxworkload.formats.chakra import GROUPS_FILE, chakra_files  # noqa: E402
@@ -66,6 +67,10 @@ LAYOUTS = {
     "llama-8b-full": ("llama-3-8b", 4096, 1, "bf16", Parallel(tp=2, pp=2, dp=2, sp=True, micro_batches=8, zero=1,
                                                             recompute="full")),
     "llama-8b-tp8": ("llama-3-8b", 8192, 1, "bf16", Parallel(tp=8, sp=True, micro_batches=4)),
+    # each TP collective pipelined with its own GEMMs (--tp-comm-overlap): Chakra's first chunk, then the rest beside
+    # a node of those GEMMs; SimAI's file folds what they expose into compute
+    "llama-8b-tp8-overlap": ("llama-3-8b", 8192, 1, "bf16", Parallel(tp=8, sp=True, micro_batches=4,
+                                                                     tp_comm_overlap=True)),
     # half the layers' activations on the host: the waits ride as compute in both files (cluster/activation_offload.py)
     "llama-8b-offload": ("llama-3-8b", 8192, 1, "bf16", Parallel(tp=2, sp=True, dp=4, micro_batches=2, zero=1,
                                                                 activation_offload_layers=16)),
@@ -130,10 +135,12 @@ def run_layout(name: str, folder: Path, simai_run: str, astra_run: str) -> dict:
         summary = result.cluster.devices[stage]
         ours_us = (parallel.micro_batches * sum(u.ns(ph) for u in result.rank.units for ph in PHASES)
                    + summary.zero3_copy_ns + summary.offload_wait_ns + summary.host_wait_ns
-                   + parallel.micro_batches * summary.blocking_comm_ns.get("cp", 0.0)) / 1e3
+                   + parallel.micro_batches * (summary.blocking_comm_ns.get("cp", 0.0)
+                                               + overlapped_tp_ns(result.rank.units, result.rank.parallel,
+                                                                  result.device))) / 1e3
         # FSDP2's copies, the waits on activation copies and on the host's dispatch are compute in the files,
-        # as the step runs them; so is what CP's exchanges expose, every micro-batch (SimAI has no CP group:
-        # formats/simai.py folds them)
+        # as the step runs them; so is what CP's exchanges and the overlapped TP collectives expose, every
+        # micro-batch (SimAI has no CP group and would block on an overlapped collective: formats/simai.py folds them)
         compute_errors.append((comp_us / ours_us - 1, ours_us, comp_us))
         simai_totals.append(total_us)
     folder.mkdir(parents=True, exist_ok=True)
@@ -151,6 +158,18 @@ def run_layout(name: str, folder: Path, simai_run: str, astra_run: str) -> dict:
             "simai_total_ms": simai_total_ms, "simai_total_err": simai_total_ms and simai_total_ms / step_ms - 1,
             "astra_ms": astra_ns / 1e6, "astra_err": astra_ns / 1e6 / step_ms - 1,
             "trace_ends": abs(cluster_end_us * 1e3 - cluster.step_ns) <= 1.0}
+
+
+def overlapped_tp_ns(units, parallel, device) -> float:
+    """What one micro-batch's overlapped TP collectives expose (--tp-comm-overlap), with AsyncTP's own kernels."""
+    total = 0.0
+    for unit in units:
+        for phase in (FORWARD, INPUT_GRAD):
+            overlapped = [c for c in unit.comms[phase] if c.group == "tp" and c.overlapped]
+            if overlapped:
+                total += sum(exposed_comms_ns(replace(unit, comms={phase: overlapped}), phase, parallel,
+                                              device).values())
+    return total
 
 
 def run_simai(run_sh: str, path: Path, world: int, device) -> tuple[float, float]:

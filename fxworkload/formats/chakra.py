@@ -42,6 +42,7 @@ from ..errors import UserError
 from ..parallel.collectives import (ALLGATHER, NONE, gathered_for, micro_batch_kind, micro_batch_scatters,
                                     post_forward_copies)
 from ..parallel.layout import POST_FORWARD
+from ..parallel.units import PRODUCER, WGRAD, gemms_beside
 
 MAX_RANKS = 1024  # one file per rank: past this the folder is larger than any simulator run wants
 COMM_TYPES = {"ALLREDUCE": "ALL_REDUCE", "ALLGATHER": "ALL_GATHER", "REDUCESCATTER": "REDUCE_SCATTER",
@@ -266,28 +267,77 @@ def _rank_nodes(pb, cluster, rank: int, groups: dict) -> list:
 
 
 def _unit_nodes(b: _Builder, pb, unit, forward: bool, mb: int, p, cluster, completes: dict) -> None:
-    """One unit's pass: CP's ring beside its compute, its compute, then its blocking collectives."""
+    """One unit's pass: CP's ring beside its compute, its compute, then its blocking collectives. Each
+    --tp-comm-overlap collective is pipelined with its own GEMMs (Comm.beside), as the cluster step has it
+    (cluster/step.py, exposed_comms_ns): beside a wait for its first chunk and a compute node of those GEMMs,
+    both waited for by the chain's next node (_pipelined_nodes); the GEMMs that feed a collective (the
+    row-parallel output's in forward, the weight gradients' in backward) after the pass's other compute, the
+    others before it. AsyncTP's own kernels (its partial sums and shard copies) follow on the chain."""
     from ..cluster.network import comm_ns
 
-    # CP's ring and --tp-comm-overlap's collectives: beside the block's compute, which the chain's next node waits
-    # for too; in backward the ring's two collectives share its links, one after the other (the cluster step adds
-    # them up); a blocking CP all-gather runs before the compute, the blocking TP/EP collectives after it
-    beside = []
-    comms = unit.comms[FORWARD if forward else INPUT_GRAD]
-    for comm in (c for c in comms if c.overlapped or c.group == "cp"):
+    comms_phase = FORWARD if forward else INPUT_GRAD
+    comms = unit.comms[comms_phase]
+    # CP's ring: beside the block's compute, which the chain's next node waits for too; in backward the ring's two
+    # collectives share its links, one after the other (the cluster step adds them up); a blocking CP all-gather
+    # runs before the compute, the blocking TP/EP collectives after it
+    ring = []
+    for comm in (c for c in comms if c.group == "cp"):
         name = f"mb{mb} {unit.name} {comm.type} {comm.group} ({comm.what})"
         if comm.overlapped:
-            beside.append(b.collective(name, comm, comm_ns(comm, p, cluster.profile), deps=beside[-1:] or b.last))
+            ring.append(b.collective(name, comm, comm_ns(comm, p, cluster.profile), deps=ring[-1:] or b.last))
         else:
             b.collective(name, comm, comm_ns(comm, p, cluster.profile))
+    paired: dict[str, list] = {}
+    for comm in comms:
+        if comm.overlapped and comm.beside:
+            paired.setdefault(comm.beside, []).append(comm)
     for phase in (FORWARD,) if forward else (INPUT_GRAD, WEIGHT_GRAD):
-        node = b.chain(f"mb{mb} {unit.name} {phase}", pb.COMP_NODE, duration_ns=unit.costs[phase][0],
-                       num_ops=unit.costs[phase][1], tensor_size=sum(op.bytes for op in unit.ops(phase)))
+        mine = {beside: group for beside, group in paired.items() if (beside == WGRAD) == (phase == WEIGHT_GRAD)}
+        after = {beside: group for beside, group in mine.items() if beside in (PRODUCER if forward else "", WGRAD)}
+        rest_ns, rest_flops = unit.costs[phase]
+        rest_bytes = sum(op.bytes for op in unit.ops(phase))
+        for beside, group in mine.items():
+            gemms = gemms_beside(unit.rows, comms_phase, beside)
+            rest_ns -= sum(op.estimated_ns for op in gemms)
+            rest_flops -= sum(op.flops for op in gemms)
+            rest_bytes -= sum(op.bytes for op in gemms)
+        for beside in (x for x in mine if x not in after):
+            _pipelined_nodes(b, pb, f"mb{mb} {unit.name}", mine[beside], gemms_beside(unit.rows, comms_phase, beside),
+                             p, cluster)
+        node = b.chain(f"mb{mb} {unit.name} {phase}", pb.COMP_NODE, duration_ns=max(rest_ns, 0.0),
+                       num_ops=max(rest_flops, 0), tensor_size=max(rest_bytes, 0))
+        for beside, group in after.items():
+            _pipelined_nodes(b, pb, f"mb{mb} {unit.name}", group, gemms_beside(unit.rows, comms_phase, beside),
+                             p, cluster)
         if not forward:
-            completes[id(unit)] = node
-    b.last = [*b.last, *beside]
+            completes[id(unit)] = b.last[0] if after else node
+    b.last = [*b.last, *ring]
+    own = [c for c in comms if c.group == "tp" and c.copy_bytes]
+    if own:
+        _copy_node(b, pb, f"mb{mb} {unit.name} AsyncTP's own kernels", own, cluster)
     for comm in (c for c in comms if c.group != "cp" and not c.overlapped):
         b.collective(f"mb{mb} {unit.name} {comm.type} {comm.group}", comm, comm_ns(comm, p, cluster.profile))
+
+
+def _pipelined_nodes(b: _Builder, pb, name: str, comms: list, gemms: list, p, cluster) -> None:
+    """Collectives pipelined in tp chunks with these GEMMs: the collectives, one after another, beside a wait for
+    their first chunk (1/tp of their time, a compute node as the files carry every wait) followed by one compute
+    node of the GEMMs; the chain's next node waits for both. Their span is the cluster step's: the longer of the
+    collectives and the first chunk and the GEMMs. (A chunk sent as a collective of its own would pay the
+    simulator's per-collective latency again.)"""
+    from ..cluster.network import comm_ns
+
+    start, beside, wait_ns = b.last, [], 0.0
+    for comm in comms:
+        ns = comm_ns(comm, p, cluster.profile)
+        beside.append(b.collective(f"{name} {comm.type} {comm.group} ({comm.what})", comm, ns,
+                                   deps=beside[-1:] or start))
+        wait_ns += ns / p.tp
+    b.chain(f"{name} waits for the first of {p.tp} chunks", pb.COMP_NODE, duration_ns=wait_ns, num_ops=0,
+            tensor_size=0)
+    b.chain(f"{name} {comms[0].beside} GEMMs", pb.COMP_NODE, duration_ns=sum(op.estimated_ns for op in gemms),
+            num_ops=sum(op.flops for op in gemms), tensor_size=sum(op.bytes for op in gemms))
+    b.last = [*b.last, *beside]
 
 
 def _copy_node(b: _Builder, pb, name: str, comms, cluster) -> None:

@@ -3,7 +3,8 @@
 The rank's timeline lays its units inside its stage's passes as the cluster step times them (each pass
 from its start under the 1F1B or interleaved schedule): forward in order, backward in reverse (input
 gradient, then weight gradient); a tensor- or expert-parallel collective blocks compute until it ends,
-CP's ring runs beside its unit's compute. Its data-parallel spans, optimizer and ZeRO gathers are the
+CP's ring runs beside its unit's compute, and so do --tp-comm-overlap's collectives, the pass waiting after its
+compute for what they outlast what they overlap by (cluster/step.py). Its data-parallel spans, optimizer and ZeRO gathers are the
 step's own, so every span ends by the step. Collective times are NCCL's tuner on the device's topology (cluster/network.py). The cluster's
 timeline (one process per stage) follows the rank's in the same file.
 """
@@ -11,9 +12,11 @@ timeline (one process per stage) follows the rank's in the same file.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 from ..capture.trace import FORWARD, INPUT_GRAD, WEIGHT_GRAD
 from ..cluster.network import check_device, comm_ns
+from ..cluster.step import exposed_comms_ns
 from ..cost.devices import DeviceProfile
 from ..parallel.layout import Parallel
 from ..parallel.rank import RankWorkload
@@ -22,6 +25,7 @@ from ..parallel.units import Unit
 COMPUTE, MODEL_PARALLEL_COMM, DATA_PARALLEL_COMM, HOST_COPIES = 0, 1, 2, 3
 THREADS = {COMPUTE: "compute", MODEL_PARALLEL_COMM: "tp/ep collectives", DATA_PARALLEL_COMM: "dp collectives"}
 HOST_COPIES_THREAD = "activation copies to and from the host (one offload stream)"
+WAITING_BESIDE = "waiting for the collectives beside its compute"  # CP's ring, --tp-comm-overlap's
 
 
 def trace_json(rank: RankWorkload, device: DeviceProfile, cluster, stack: str = "eager") -> str:
@@ -150,21 +154,35 @@ class _Timeline:
 
     def compute(self, unit: Unit, phase: str, micro_batch: int) -> None:
         duration = unit.pass_ns(phase)
+        start = self.now_ns
         if duration > 0:
-            self._span(f"{unit.name} {phase}", "compute", COMPUTE, self.now_ns, duration, micro_batch=micro_batch)
+            self._span(f"{unit.name} {phase}", "compute", COMPUTE, start, duration, micro_batch=micro_batch)
             self.now_ns += duration
         if phase == WEIGHT_GRAD:
             return
-        beside = self.now_ns - duration  # CP's ring runs beside the unit's compute, from its start
-        for comm in unit.comms[phase]:
+        beside = start  # CP's ring and --tp-comm-overlap's collectives run beside the unit's compute, from its start
+        for comm in (c for c in unit.comms[phase] if c.overlapped):
             duration = comm_ns(comm, self.parallel, self.device)
-            at = beside if comm.overlapped else self.now_ns
-            self._span(f"{comm.type} {comm.group}", "comm", MODEL_PARALLEL_COMM, at, duration,
+            self._span(f"{comm.type} {comm.group}", "comm", MODEL_PARALLEL_COMM, beside, duration,
                        micro_batch=micro_batch, what=comm.what, bytes=comm.bytes)
-            if comm.overlapped:
-                beside += duration
-            else:
-                self.now_ns += duration
+            beside += duration
+        waited = self._overlapped_ns(unit, phase)
+        if waited > 0:  # what they outlast the GEMMs (CP: the attention core) they overlap by; AsyncTP's own kernels
+            self._span(WAITING_BESIDE, "comm", COMPUTE, self.now_ns, waited, micro_batch=micro_batch)
+            self.now_ns += waited
+        for comm in (c for c in unit.comms[phase] if not c.overlapped):
+            duration = comm_ns(comm, self.parallel, self.device)
+            self._span(f"{comm.type} {comm.group}", "comm", MODEL_PARALLEL_COMM, self.now_ns, duration,
+                       micro_batch=micro_batch, what=comm.what, bytes=comm.bytes)
+            self.now_ns += duration
+
+    def _overlapped_ns(self, unit: Unit, phase: str) -> float:
+        """What a unit's pass waits on the collectives beside its compute, as the cluster step counts it."""
+        overlapped = [c for c in unit.comms[phase] if c.overlapped]
+        if not overlapped:
+            return 0.0
+        alone = replace(unit, comms={phase: overlapped})
+        return sum(exposed_comms_ns(alone, phase, self.parallel, self.device).values())
 
     def span(self, name: str, category: str, tid: int, start_ns: float, duration_ns: float, **args) -> None:
         self._span(name, category, tid, start_ns, duration_ns, **args)

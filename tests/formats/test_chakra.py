@@ -377,21 +377,48 @@ def test_overlapped_parameter_gathers_open_the_step_in_the_chakra_trace(tiny_dir
     assert gathers[0].id in ancestors[first_forward.id]
 
 
-def test_overlapped_tp_collectives_run_beside_their_blocks_compute(tiny_dirs, tmp_path_factory):
-    """--tp-comm-overlap: a block's tensor-parallel collectives do not wait for its compute (they run beside it,
-    as userbuffers overlap them with the GEMMs) and the chain's next node waits for them; the head's stay
-    blocking, after its compute."""
-    out, _ = _write(tiny_dirs, tmp_path_factory, "llama", dict(tp=2, sp=True, micro_batches=2, tp_comm_overlap=True))
+def test_overlapped_tp_collectives_run_beside_their_own_gemms(tiny_dirs, tmp_path_factory):
+    """--tp-comm-overlap: each of a block's tensor-parallel collectives is pipelined with its own GEMMs, as the
+    cluster step has it (cluster/step.py, exposed_comms_ns: the longer of the collective and its first chunk and
+    the GEMMs): the collective runs beside a wait for its first of tp chunks followed by a compute node of those
+    GEMMs, and the chain's next node waits for both. By hand: the wait half the collective's time at tp 2; the
+    forward's GEMM nodes last q/k/v's (gate/up's) and o's (down's) forward GEMMs, picked by module name; a
+    block's forward compute nodes add up to its pass; the head's collectives stay blocking, after its compute."""
+    from fxworkload.cluster.network import comm_ns
+
+    out, cluster = _write(tiny_dirs, tmp_path_factory, "llama", dict(tp=2, sp=True, micro_batches=2,
+                                                                      tp_comm_overlap=True))
     nodes = read(out / "workload.0.et")
     ancestors = _ancestors(nodes)
     by_name = {n.name: n for n in nodes}
-    overlapped = [n for n in nodes if n.type == COMM_COLL_NODE and " tp (" in n.name and "layer" in n.name]
-    assert overlapped
-    for comm in overlapped:
-        mb, unit = comm.name.split()[:2]
-        own = by_name[f"{mb} {unit} {'input_grad' if 'gradient' in comm.name else 'forward'}"]
-        assert own.id not in ancestors[comm.id]  # beside the block's compute, not after it
-        assert any(comm.id in ancestors[n.id] for n in nodes if n.id > comm.id and n.type == COMP_NODE)
+    waits = [n for n in nodes if n.name.endswith("waits for the first of 2 chunks")]
+    blocks = [u for u in cluster.device_units[0] if u.layer is not None]
+    assert len(waits) == 2 * len(blocks) * 2 * 2  # two micro-batches; each block two collectives a pass, two passes
+    for wait in waits:
+        collective = nodes[wait.id - 1]  # issued just before it, beside it: both wait on what came before
+        assert collective.type == COMM_COLL_NODE and list(collective.data_deps) == list(wait.data_deps)
+        assert wait.duration_micros == pytest.approx(collective.duration_micros / 2, abs=1)
+        gemms = nodes[wait.id + 1]
+        assert gemms.type == COMP_NODE and gemms.name.endswith(" GEMMs") and list(gemms.data_deps) == [wait.id]
+        after = next(n for n in nodes if gemms.id in n.data_deps)
+        assert collective.id in after.data_deps  # the chain waits for the collective too
+    units = {u.name: u for u in cluster.device_units[0]}
+    for block, readers, producer in (("layer0_attention", ("q_proj", "k_proj", "v_proj"), ("o_proj",)),
+                                     ("layer0_mlp", ("gate_proj", "up_proj"), ("down_proj",))):
+        unit = units[block]
+
+        def forward_ns(names):
+            return sum(r.forward.estimated_ns for r in unit.rows
+                       if r.forward.kind == "matmul" and r.module.rsplit(".", 1)[-1] in names)
+
+        assert by_name[f"mb0 {block} readers GEMMs"].duration_micros == round(forward_ns(readers) / 1e3)
+        assert by_name[f"mb0 {block} producer GEMMs"].duration_micros == round(forward_ns(producer) / 1e3)
+        compute_us = sum(by_name[f"mb0 {block} {what}"].duration_micros
+                         for what in ("forward", "readers GEMMs", "producer GEMMs"))
+        assert compute_us == pytest.approx(unit.costs[FORWARD][0] / 1e3, abs=1.5)
+        gather = next(c for c in unit.comms[FORWARD] if c.type == "ALLGATHER")
+        assert by_name[f"mb0 {block} ALLGATHER tp ({gather.what})"].duration_micros == round(
+            comm_ns(gather, cluster.parallel, cluster.profile) / 1e3)
     head = [n for n in nodes if n.type == COMM_COLL_NODE and n.name.split()[1] == "head" and " tp" in n.name]
     assert head and all(by_name[f"{n.name.split()[0]} head forward"].id in ancestors[n.id]
                         for n in head if f"{n.name.split()[0]} head forward" in by_name and "gradient" not in n.name)

@@ -400,3 +400,24 @@ def test_zero3_simai_rows_carry_the_waits_on_fsdp2s_hooks_as_the_step_runs_them(
     assert waited > 0
     rows = model_rows(zero3)
     assert compute_ns(zero3, model_rows) == pytest.approx(compute_ns(zero1, model_rows) + waited, abs=len(rows))
+
+
+OVERLAPPED_TP = dict(tp=2, sp=True, micro_batches=2, tp_comm_overlap=True)
+
+
+@pytest.mark.parametrize("stack, layout", [("eager", OVERLAPPED_TP), ("compiled", OVERLAPPED_TP),
+                                           ("eager", dict(cp=2, micro_batches=2))])
+def test_chrome_trace_passes_wait_for_the_collectives_beside_their_compute(tiny_dirs, stack, layout):
+    """--tp-comm-overlap (userbuffers under eager, AsyncTP under compiled) and CP's ring: the collectives run
+    beside the unit's compute, and the pass waits, after its compute, for what they outlast what they overlap
+    by (and AsyncTP's own kernels), as the cluster step counts it: each pass's spans on the rank end where the
+    cluster step's pass ends (2,048 sequences: collectives that outlast some of their GEMMs)."""
+    result = extract(str(tiny_dirs["llama"]), batch=2048, seq=64, device="h100-sxm", stack=stack,
+                     parallel=Parallel(**layout))
+    trace = json.loads(result.files(["chrome-trace"])["workload.trace.json"])
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["pid"] == 0 and e["tid"] in (0, 1)]
+    waits = [e for e in spans if e["name"] == "waiting for the collectives beside its compute"]
+    assert waits and all(e["dur"] > 0 for e in waits)
+    for _, _, _, start_ns, end_ns in result.cluster.device_passes[0]:
+        inside = [e for e in spans if start_ns / 1e3 - 1e-3 <= e["ts"] < end_ns / 1e3 - 1e-3]
+        assert max(e["ts"] + e["dur"] for e in inside) == pytest.approx(end_ns / 1e3, abs=2e-3)
