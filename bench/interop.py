@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from fxworkload.capture.trace import FORWARD, INPUT_GRAD, PHASES  # noqa: E402
 from fxworkload.cluster.network import NIC_EFFICIENCY, choose, nvlink_bus_bytes_per_s  # noqa: E402
-from fxworkload.cluster.step import exposed_comms_ns  # noqa: E402
+from fxworkload.cluster.step import copy_kernels_ns, exposed_comms_ns  # noqa: E402
 from fxworkload.cost.devices import load  # noqa: E402
 from fxworkload.formats import simai  # noqa: E402
 from fxworkload.formats.chakra import GROUPS_FILE, chakra_files  # noqa: E402
@@ -136,11 +136,12 @@ def run_layout(name: str, folder: Path, simai_run: str, astra_run: str) -> dict:
         ours_us = (parallel.micro_batches * sum(u.ns(ph) for u in result.rank.units for ph in PHASES)
                    + summary.zero3_copy_ns + summary.offload_wait_ns + summary.host_wait_ns
                    + parallel.micro_batches * (summary.blocking_comm_ns.get("cp", 0.0)
-                                               + overlapped_tp_ns(result.rank.units, result.rank.parallel,
-                                                                  result.device))) / 1e3
+                                               + folded_tp_ns(result.rank.units, result.rank.parallel,
+                                                              result.device))) / 1e3
         # FSDP2's copies, the waits on activation copies and on the host's dispatch are compute in the files,
-        # as the step runs them; so is what CP's exchanges and the overlapped TP collectives expose, every
-        # micro-batch (SimAI has no CP group and would block on an overlapped collective: formats/simai.py folds them)
+        # as the step runs them; so is what CP's exchanges and the overlapped TP collectives expose, and torch's copies
+        # around the blocking ones, every micro-batch (SimAI has no CP group and would block on an overlapped
+        # collective: formats/simai.py folds them)
         compute_errors.append((comp_us / ours_us - 1, ours_us, comp_us))
         simai_totals.append(total_us)
     folder.mkdir(parents=True, exist_ok=True)
@@ -160,8 +161,9 @@ def run_layout(name: str, folder: Path, simai_run: str, astra_run: str) -> dict:
             "trace_ends": abs(cluster_end_us * 1e3 - cluster.step_ns) <= 1.0}
 
 
-def overlapped_tp_ns(units, parallel, device) -> float:
-    """What one micro-batch's overlapped TP collectives expose (--tp-comm-overlap), with AsyncTP's own kernels."""
+def folded_tp_ns(units, parallel, device) -> float:
+    """What one micro-batch's overlapped TP collectives expose (--tp-comm-overlap), with AsyncTP's own kernels, and
+    the copies torch makes around the blocking ones (a sequence on dim 1): the files carry both as compute."""
     total = 0.0
     for unit in units:
         for phase in (FORWARD, INPUT_GRAD):
@@ -169,6 +171,8 @@ def overlapped_tp_ns(units, parallel, device) -> float:
             if overlapped:
                 total += sum(exposed_comms_ns(replace(unit, comms={phase: overlapped}), phase, parallel,
                                               device).values())
+            copies = [c for c in unit.comms[phase] if c.group == "tp" and not c.overlapped and c.copy_bytes]
+            total += copy_kernels_ns(copies, device) if copies else 0.0
     return total
 
 

@@ -272,7 +272,8 @@ def _unit_nodes(b: _Builder, pb, unit, forward: bool, mb: int, p, cluster, compl
     (cluster/step.py, exposed_comms_ns): beside a wait for its first chunk and a compute node of those GEMMs,
     both waited for by the chain's next node (_pipelined_nodes); the GEMMs that feed a collective (the
     row-parallel output's in forward, the weight gradients' in backward) after the pass's other compute, the
-    others before it. AsyncTP's own kernels (its partial sums and shard copies) follow on the chain."""
+    others before it. The copies that go with the TP collectives (AsyncTP's partial sums and shard copies; torch's
+    copies around a collective on the sequence dim) follow on the chain."""
     from ..cluster.network import comm_ns
 
     comms_phase = FORWARD if forward else INPUT_GRAD
@@ -313,8 +314,8 @@ def _unit_nodes(b: _Builder, pb, unit, forward: bool, mb: int, p, cluster, compl
             completes[id(unit)] = b.last[0] if after else node
     b.last = [*b.last, *ring]
     own = [c for c in comms if c.group == "tp" and c.copy_bytes]
-    if own:
-        _copy_node(b, pb, f"mb{mb} {unit.name} AsyncTP's own kernels", own, cluster)
+    if own:  # AsyncTP's, and torch's copies around its collectives on the sequence dim (parallel/collectives.py)
+        _copy_node(b, pb, f"mb{mb} {unit.name} copies around its tensor-parallel collectives", own, cluster)
     for comm in (c for c in comms if c.group != "cp" and not c.overlapped):
         b.collective(f"mb{mb} {unit.name} {comm.type} {comm.group}", comm, comm_ns(comm, p, cluster.profile))
 

@@ -16,7 +16,7 @@ from dataclasses import replace
 
 from ..capture.trace import FORWARD, INPUT_GRAD, WEIGHT_GRAD
 from ..cluster.network import check_device, comm_ns
-from ..cluster.step import exposed_comms_ns
+from ..cluster.step import copy_kernels_ns, exposed_comms_ns
 from ..cost.devices import DeviceProfile
 from ..parallel.layout import Parallel
 from ..parallel.rank import RankWorkload
@@ -26,6 +26,7 @@ COMPUTE, MODEL_PARALLEL_COMM, DATA_PARALLEL_COMM, HOST_COPIES = 0, 1, 2, 3
 THREADS = {COMPUTE: "compute", MODEL_PARALLEL_COMM: "tp/ep collectives", DATA_PARALLEL_COMM: "dp collectives"}
 HOST_COPIES_THREAD = "activation copies to and from the host (one offload stream)"
 WAITING_BESIDE = "waiting for the collectives beside its compute"  # CP's ring, --tp-comm-overlap's
+SEQUENCE_DIM_COPIES = "copies around its tensor-parallel collectives (sequence on dim 1)"
 
 
 def trace_json(rank: RankWorkload, device: DeviceProfile, cluster, stack: str = "eager") -> str:
@@ -170,6 +171,11 @@ class _Timeline:
         if waited > 0:  # what they outlast the GEMMs (CP: the attention core) they overlap by; AsyncTP's own kernels
             self._span(WAITING_BESIDE, "comm", COMPUTE, self.now_ns, waited, micro_batch=micro_batch)
             self.now_ns += waited
+        copies = [c for c in unit.comms[phase] if c.group == "tp" and not c.overlapped and c.copy_bytes]
+        if copies:  # torch's copies around its blocking collectives on the sequence dim (parallel/collectives.py)
+            duration = copy_kernels_ns(copies, self.device)
+            self._span(SEQUENCE_DIM_COPIES, "compute", COMPUTE, self.now_ns, duration, micro_batch=micro_batch)
+            self.now_ns += duration
         for comm in (c for c in unit.comms[phase] if not c.overlapped):
             duration = comm_ns(comm, self.parallel, self.device)
             self._span(f"{comm.type} {comm.group}", "comm", MODEL_PARALLEL_COMM, self.now_ns, duration,

@@ -204,11 +204,15 @@ def _fsdp2_copies(unit: Unit, device) -> dict[str, float]:
 
 def _folded_ns(unit: Unit, phase: str, p, device) -> float:
     """What CP's exchanges and the overlapped TP collectives (--tp-comm-overlap) expose, folded into compute:
-    SimAI has no CP group, and would run an overlapped TP collective as a blocking one."""
-    from ..cluster.step import exposed_comms_ns
+    SimAI has no CP group, and would run an overlapped TP collective as a blocking one; and the copies torch
+    makes around the blocking TP collectives (a sequence on dim 1: parallel/collectives.py), kernels of their own
+    on the compute stream."""
+    from ..cluster.step import copy_kernels_ns, exposed_comms_ns
 
     folded = replace(unit, comms={phase: [c for c in unit.comms[phase] if c.group == "cp" or c.overlapped]})
-    return sum(exposed_comms_ns(folded, phase, p, device).values()) if folded.comms[phase] else 0.0
+    exposed = sum(exposed_comms_ns(folded, phase, p, device).values()) if folded.comms[phase] else 0.0
+    blocking_copies = [c for c in unit.comms[phase] if c.group == "tp" and not c.overlapped and c.copy_bytes]
+    return exposed + (copy_kernels_ns(blocking_copies, device) if blocking_copies else 0.0)
 
 
 def text(workload: SimaiWorkload) -> str:

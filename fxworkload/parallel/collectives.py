@@ -23,9 +23,10 @@ from operator import attrgetter
 
 from ..capture.trace import FORWARD, INPUT_GRAD, WEIGHT_GRAD
 from ..memo import Memo
+from ..workload.stacks import STACKS, Stack
 from .layout import POST_FORWARD, Parallel
 from .recompute import is_recomputed
-from .units import DGRAD, EMBEDDING, HEAD, LAYER, PRODUCER, READERS, WGRAD, Comm, Unit, is_expert
+from .units import DGRAD, EMBEDDING, HEAD, LAYER, PRODUCER, READERS, WGRAD, Comm, Unit, is_expert, linears
 
 ALLREDUCE, ALLGATHER, REDUCESCATTER, ALLTOALL = "ALLREDUCE", "ALLGATHER", "REDUCESCATTER", "ALLTOALL"
 LOSS_BYTES_PER_TOKEN = 4  # Megatron's vocab-parallel cross entropy reduces fp32 values
@@ -63,24 +64,31 @@ def stage_units(units: list[Unit], stage_layers: range, first: bool, last: bool)
 
 def add_model_parallel(units: list[Unit], p: Parallel, micro_batch: int, seq: int, hidden: int,
                        act_itemsize: int, top_k: int, rank_kv_bytes: int = 0,
-                       recomputed: frozenset[int] = frozenset(), tp_overlap: str = "userbuffers",
-                       fp8_gathers: bool = False, experts: int = 0) -> None:
+                       recomputed: frozenset[int] = frozenset(), stack: Stack = STACKS["eager"],
+                       fp8_gathers: bool = False, experts: int = 0, fp8_linears: bool = False) -> None:
     """Attach the tensor-, context- and expert-parallel collectives to each unit, in the order they run.
     ``seq``: the rank's tokens (seq / cp); ``rank_kv_bytes``: one layer's keys and values on this rank;
     ``recomputed``: the layers whose whole forward runs again before their backward (full recomputation:
     Megatron-Core's CheckpointFunction and torch.utils.checkpoint re-run the block's collectives with it),
-    whose backward starts with their forward's collectives again; ``tp_overlap``: how --tp-comm-overlap
-    overlaps a block's (the stack's, workload/stacks.py); ``fp8_gathers``: a decoder block's sequence-parallel
-    all-gathers move FP8, one byte an element (Workload.fp8_tp_gathers), not ``act_itemsize``; ``experts``: the
-    MoE layers' routed experts (how DeepEP's sends are counted, ``p.ep_comm``).
+    whose backward starts with their forward's collectives again; ``stack``: how --tp-comm-overlap overlaps a
+    block's (workload/stacks.py, ``tp_overlap``) and where sequence parallelism shards (``sequence_dim``);
+    ``fp8_gathers``: a decoder block's sequence-parallel all-gathers move FP8, one byte an element
+    (Workload.fp8_tp_gathers), not ``act_itemsize``; ``experts``: the MoE layers' routed experts (how DeepEP's
+    sends are counted, ``p.ep_comm``); ``fp8_linears``: the decoder layers' linears run FP8 GEMMs.
     Units of one kind share the same (frozen) Comm objects."""
     act = micro_batch * seq * hidden * act_itemsize
     fp8_gathered = micro_batch * seq * hidden if fp8_gathers else 0
     tokens = micro_batch * seq // (p.tp if p.sp else 1)
     cp_forward, cp_backward = cp_comms(p, rank_kv_bytes)
     tp_comms = _tp_comms(p, act, micro_batch * seq * LOSS_BYTES_PER_TOKEN, fp8_gathered) if p.tp > 1 else {}
+    if tp_comms and p.sp and stack.sequence_dim == 1:  # torch's collectives on HF's [batch, seq, hidden]
+        tp_comms[None] = _sequence_dim_copies(*tp_comms[None], micro_batch, stack.generates_kernels)
+    dim1_batches = p.sp and stack.sequence_dim == 1 and micro_batch > 1  # torch moves [b, s, h]'s dim 1 to dim 0
     if p.tp_comm_overlap:  # the decoder blocks' linear layers overlap their collectives with their GEMMs
-        tp_comms[None] = _overlapped_tp(*tp_comms[None], tp_overlap, p.tp)
+        tp_comms[None] = _overlapped_tp(*tp_comms[None], stack.tp_overlap, p.tp, flatten_copies=dim1_batches,
+                                        wgrad_copies=stack.sequence_dim == 1 and not fp8_linears)
+    asynctp_inputs = p.tp_comm_overlap and stack.tp_overlap != "userbuffers" and dim1_batches
+    scatter_inputs: dict[tuple, list[Comm]] = {}  # AsyncTP's fused reduce-scatters with their GEMM input's copy
     ep_comms = _ep_comms(p, tokens * hidden * act_itemsize, experts, top_k) if p.ep > 1 else None
     again: dict[tuple[Comm, ...], list[Comm]] = {}
     for unit in units:
@@ -90,6 +98,9 @@ def add_model_parallel(units: list[Unit], p: Parallel, micro_batch: int, seq: in
             bwd.extend(cp_backward)
         if tp_comms:
             forward, backward = tp_comms[unit.block if unit.block in (EMBEDDING, HEAD) else None]
+            if asynctp_inputs and unit.block not in (EMBEDDING, HEAD):
+                forward = _with_producer_input_copy(forward, unit, act_itemsize if not fp8_linears else 1,
+                                                    scatter_inputs)
             fwd.extend(forward)
             bwd.extend(backward)
         if ep_comms and unit.moe:
@@ -108,7 +119,8 @@ def _last_gemm_recomputed(unit: Unit) -> bool:
     return gemm is None or unit.block == LAYER or is_recomputed(gemm)
 
 
-def _overlapped_tp(forward: list[Comm], backward: list[Comm], how: str, tp: int) -> tuple[list[Comm], list[Comm]]:
+def _overlapped_tp(forward: list[Comm], backward: list[Comm], how: str, tp: int, flatten_copies: bool = False,
+                   wgrad_copies: bool = False) -> tuple[list[Comm], list[Comm]]:
     """A decoder block's (forward, backward) sequence-parallel collectives as --tp-comm-overlap runs them, each
     pipelined with the GEMMs it feeds or follows (Comm.beside), never with the block's other GEMMs: a chunk's
     GEMM can start only once its chunk has arrived, and the next collective waits on GEMMs still to come.
@@ -127,21 +139,68 @@ def _overlapped_tp(forward: list[Comm], backward: list[Comm], how: str, tp: int)
     buffer on the compute stream, before the first chunk's matmul (_pipelined_multi_all_gather_and_consume's
     "mv", not overlapped: "giving up the chance to overlap mv and b with the first shard_consumer"). The tp
     chunk matmuls run on two streams in turn, so one's last wave overlaps the next ("greatly reducing
-    quantization inefficiency"): costed as the one GEMM they make up."""
+    quantization inefficiency"): costed as the one GEMM they make up. On the sequence dim of [batch, seq, hidden]
+    (torch's sequence parallelism) with more than one sequence (``flatten_copies``), the fused ops move that dim
+    to the front and flatten it with the batch (``movedim(gather_dim, 0).flatten(0, -2)``), which copies: a
+    gather's shard once more, a reduce-scatter's GEMM input (_with_producer_input_copy). The gathered tensor comes
+    back as a view with the batch and sequence dims interleaved (``unflatten``): a 16-bit weight-gradient GEMM
+    that reads it as [tokens, features] makes a contiguous copy first (``wgrad_copies``; torchao's FP8 casts read
+    the view as it is) -- the block input's and the output gradient's, carried with the backward's gather. A
+    fused reduce-scatter's sum writes its output contiguous: no copy. Transformer Engine's userbuffers gather into
+    and scatter from buffers of their own: no copy either."""
     asynctp = how != "userbuffers"
     fused = [replace(c, overlapped=True, beside=READERS if c.type == ALLGATHER else PRODUCER,
-                     copy_bytes=_asynctp_copy_bytes(c, tp) if asynctp else 0)
+                     copy_bytes=_asynctp_copy_bytes(c, tp, flatten_copies) if asynctp else 0)
              for c in forward]
     gather, scatter = backward
-    scatter = scatter if asynctp else replace(scatter, overlapped=True, beside=WGRAD)
+    if not asynctp:
+        return fused, [replace(gather, overlapped=True, beside=DGRAD, copy_bytes=0),
+                       replace(scatter, overlapped=True, beside=WGRAD, copy_bytes=0)]
+    wgrad = 2 * (gather.bytes + next(c.bytes for c in forward if c.type == ALLGATHER)) if wgrad_copies else 0
     return fused, [replace(gather, overlapped=True, beside=DGRAD,
-                           copy_bytes=_asynctp_copy_bytes(gather, tp) if asynctp else 0), scatter]
+                           copy_bytes=_asynctp_copy_bytes(gather, tp, flatten_copies) + wgrad), scatter]
 
 
-def _asynctp_copy_bytes(comm: Comm, tp: int) -> int:
-    """What AsyncTP's own kernel on the compute stream moves for a fused collective: a reduce-scatter's sum of
-    the partial products (all tp read, one written), an all-gather's copy of the shard (read and written)."""
-    return comm.bytes + comm.bytes // tp if comm.type == REDUCESCATTER else 2 * (comm.bytes // tp)
+def _with_producer_input_copy(forward: list[Comm], unit: Unit, itemsize: int, made: dict) -> list[Comm]:
+    """A block's forward collectives with AsyncTP's copy of its row-parallel GEMM's input (read and written) on the
+    fused reduce-scatter: ``_fused_matmul_reduce_scatter_impl`` moves the scatter dim to the front and flattens
+    it with the batch, a copy for more than one sequence. Shared by the blocks whose GEMM inputs are alike."""
+    layers = linears(unit.rows)
+    if not layers:
+        return forward
+    m, k, _ = layers[-1].forward.gemm_mkn
+    input_bytes = m * k * itemsize
+    return made.setdefault((id(forward[0]), input_bytes), [
+        replace(c, copy_bytes=c.copy_bytes + 2 * input_bytes) if c.type == REDUCESCATTER else c for c in forward])
+
+
+def _sequence_dim_copies(forward: list[Comm], backward: list[Comm], micro_batch: int, compiled: bool
+                         ) -> tuple[list[Comm], list[Comm]]:
+    """A decoder block's sequence-parallel collectives with the copies torch makes around them when the sequence
+    is dim 1 ([batch, seq, hidden], HF's layout, DTensor's Shard(1): torchtitan's plan), copy_bytes read and
+    written. NCCL gathers and scatters along dim 0: an all-gather's result is re-concatenated along dim 1
+    (torch._utils._maybe_view_chunk_cat: a view only when every dim before it is 1, so a copy for a micro-batch
+    of two sequences or more), and a reduce-scatter's input is split along dim 1 and concatenated along dim 0
+    first (torch._utils._chunk_or_narrow_cat, always a copy). Under a compiler the input gradient's
+    reduce-scatter input is the sum of the q/k/v (gate/up) input gradients, which inductor writes straight into
+    the concatenation (a pointwise kernel writing each slice); behind an extern GEMM (the row-parallel output) or
+    a collective (a gather) the copy is a kernel of its own. Megatron's [seq, batch, hidden] shards dim 0: none."""
+    def copied(comm: Comm, needed: bool) -> Comm:
+        return replace(comm, copy_bytes=2 * comm.bytes) if needed else comm
+
+    gathers = micro_batch > 1
+    (gather, scatter), (gradient_gather, input_gradient_scatter) = forward, backward
+    return ([copied(gather, gathers), copied(scatter, True)],
+            [copied(gradient_gather, gathers), copied(input_gradient_scatter, not compiled)])
+
+
+def _asynctp_copy_bytes(comm: Comm, tp: int, flatten_copies: bool = False) -> int:
+    """What AsyncTP's own kernels on the compute stream move for a fused collective: a reduce-scatter's sum of
+    the partial products (all tp read, one written), an all-gather's copy of the shard (read and written), twice
+    where the shard is flattened with the batch first (_overlapped_tp)."""
+    if comm.type == REDUCESCATTER:
+        return comm.bytes + comm.bytes // tp
+    return 2 * (comm.bytes // tp) * (2 if flatten_copies else 1)
 
 
 def _tp_comms(p: Parallel, act: int, loss: int, fp8_gathered: int = 0

@@ -87,7 +87,8 @@ def _model_parallel_chunks(facts: ModelFacts, workload: Workload, p: Parallel, d
     again = frozenset(recomputed_layers(p, facts.layers)) if p.recompute == "full" else frozenset()
     add_model_parallel(mine, p, micro_batch, seq, facts.hidden, act_itemsize, facts.top_k,
                        kv_bytes(micro_batch, seq, facts.kv_heads or facts.heads, facts.head_dim, p.tp, act_itemsize),
-                       again, STACKS[workload.stack].tp_overlap, workload.fp8_tp_gathers, facts.experts)
+                       again, STACKS[workload.stack], workload.fp8_tp_gathers, facts.experts,
+                       bool(workload.fp8_modules))
     return chunks
 
 

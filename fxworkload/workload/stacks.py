@@ -58,12 +58,17 @@ class Stack:
     # linears that read one tensor (q, k and v; gate and up) built as one linear, each group's GEMMs one GEMM
     # (siblings.py): Megatron-Core's linear_qkv and linear_fc1
     merges_sibling_linears: bool = False
+    # the dim of a block's activations that sequence parallelism shards: 1, torch's tensor parallelism on the
+    # model's [batch, seq, hidden] (DTensor's Shard(1), torchtitan's plan), whose gathers and scatters move dim 0
+    # and copy around it (parallel/collectives.py); 0, Megatron's [seq, batch, hidden]
+    sequence_dim: int = 1
 
 
 STACKS = {
     "eager": Stack("eager", False, "autograd", "PyTorch eager; autograd's derivatives.yaml"),
     "fused": Stack("fused", True, "fused", "Megatron-LM / Transformer Engine fused kernels (megatron/core/fusions)",
-                   ring_merges="fused-p2p", vocab_parallel_loss="megatron", merges_sibling_linears=True),
+                   ring_merges="fused-p2p", vocab_parallel_loss="megatron", merges_sibling_linears=True,
+                   sequence_dim=0),
     "compiled": Stack("compiled", True, "partitioner",
                       "torch.compile: AOTAutograd min_cut_rematerialization_partition + inductor fusion and "
                       "GEMM padding (torch/_inductor/fx_passes/pad_mm.py)", pads_gemms=True,

@@ -253,9 +253,13 @@ def test_asynctp_overlaps_the_patterns_inductor_fuses_and_no_others(tiny_dirs):
     beside q/k/v (gate/up) and the reduce-scatter beside o (down), each what outlasts its GEMMs, at least one
     chunk; backward, the output gradient's gather beside the o/down input-gradient GEMM alone, and the input
     gradient's reduce-scatter, whose input is a sum of q/k/v (gate/up) GEMMs, blocking whole. On the compute
-    stream, AsyncTP's own kernels (torch/distributed/_symmetric_memory): a fused reduce-scatter's partial
-    products summed (_fused_matmul_reduce_scatter_impl: all tp read, one written), a fused gather's shard
-    copied into its symmetric buffer before the first matmul (_pipelined_multi_all_gather_and_consume)."""
+    stream, AsyncTP's own kernels (torch/distributed/_symmetric_memory), each read and written: a fused
+    reduce-scatter's partial products summed (_fused_matmul_reduce_scatter_impl: all tp read, one written) and,
+    with the sequence on dim 1 and more than one sequence, its GEMM's input flattened with the batch; a fused
+    gather's shard flattened so and copied into its symmetric buffer (_pipelined_multi_all_gather_and_consume);
+    the gathered views a 16-bit weight gradient reads made contiguous (the block input's, the gradient's)."""
+    import torch
+
     from fxworkload.capture.trace import FORWARD, INPUT_GRAD
     from fxworkload.cluster.network import comm_ns
     from fxworkload.cluster.step import exposed_comms_ns
@@ -274,19 +278,26 @@ def test_asynctp_overlaps_the_patterns_inductor_fuses_and_no_others(tiny_dirs):
         readers, (producer,) = _linear_rows(unit, READERS), _linear_rows(unit, PRODUCERS)
         gather, scatter = [c for c in unit.comms[FORWARD] if c.group == "tp"]
         assert (gather.type, scatter.type) == ("ALLGATHER", "REDUCESCATTER") and gather.overlapped and scatter.overlapped
-        # the shard (half the gathered bytes at tp 2) read and written; the two partials read, one written
-        assert (gather.copy_bytes, scatter.copy_bytes) == (gather.bytes, scatter.bytes * 3 // 2)
+        # the shard (half the gathered bytes at tp 2) flattened and copied, each read and written; the two partials
+        # read, one written, and the o/down GEMM's input flattened, read and written
+        m, k, _ = producer.forward.gemm_mkn
+        itemsize = torch.empty(0, dtype=getattr(torch, producer.forward.input_dtypes[0])).element_size()
+        gathered_bytes = gather.bytes
+        assert (gather.copy_bytes, scatter.copy_bytes) == (2 * gather.bytes, scatter.bytes * 3 // 2 + 2 * m * k * itemsize)
         g, r = comm_ns(gather, p, device), comm_ns(scatter, p, device)
         assert exposed_comms_ns(unit, FORWARD, p, device)["tp"] == pytest.approx(
             _pipelined_ns(g, sum(x.forward.estimated_ns for x in readers), 2)
-            + _pipelined_ns(r, producer.forward.estimated_ns, 2) + copy_ns(gather.bytes) + copy_ns(scatter.bytes * 3 // 2))
+            + _pipelined_ns(r, producer.forward.estimated_ns, 2) + copy_ns(gather.copy_bytes) + copy_ns(scatter.copy_bytes))
         gather, scatter = [c for c in unit.comms[INPUT_GRAD] if c.group == "tp"]
         assert (gather.type, gather.overlapped, scatter.type, scatter.overlapped) == (
             "ALLGATHER", True, "REDUCESCATTER", False)
+        # its shard flattened and copied; the gathered gradient and the block's gathered input made contiguous;
+        # the blocking scatter's input written by inductor's sum of the input gradients straight into its order
+        assert (gather.copy_bytes, scatter.copy_bytes) == (2 * gather.bytes + 2 * (gather.bytes + gathered_bytes), 0)
         dgrad = [op for op in producer.input_grad if op.kind == "matmul"][-1].estimated_ns
         g, r = comm_ns(gather, p, device), comm_ns(scatter, p, device)
         assert exposed_comms_ns(unit, INPUT_GRAD, p, device)["tp"] == pytest.approx(
-            _pipelined_ns(g, dgrad, 2) + r + copy_ns(gather.bytes))
+            _pipelined_ns(g, dgrad, 2) + r + copy_ns(gather.copy_bytes))
 
 
 def test_asynctp_under_full_recomputation_pairs_the_recomputed_forward_with_its_own_gemms(tiny_dirs):
@@ -316,7 +327,7 @@ def test_asynctp_under_full_recomputation_pairs_the_recomputed_forward_with_its_
         producer, = _linear_rows(unit, PRODUCERS)
         dgrad = [op for op in producer.input_grad if op.kind == "matmul"][-1].estimated_ns
         g, r = comm_ns(gather, p, device), comm_ns(scatter, p, device)
-        own_ns = _pipelined_ns(g, dgrad, 2) + r + memory_ns(gather.bytes, device.gpu_facts(), device.gpu_model())
+        own_ns = _pipelined_ns(g, dgrad, 2) + r + memory_ns(gather.copy_bytes, device.gpu_facts(), device.gpu_model())
         assert exposed_comms_ns(unit, INPUT_GRAD, p, device)["tp"] == pytest.approx(
             exposed_comms_ns(unit, FORWARD, p, device)["tp"] + own_ns)
 
@@ -325,9 +336,11 @@ def test_full_recomputation_runs_the_blocks_collectives_again_before_their_backw
     """Megatron-Core's CheckpointFunction and torch.utils.checkpoint re-run a recomputed layer's whole forward,
     its tensor-parallel collectives included, before the layer's backward; selective recomputation re-runs only
     the attention core, no collective. By hand: each recomputed block's backward starts with its forward's
-    collectives, and the step's tensor-parallel time grows by exactly their time, once per micro-batch."""
+    collectives, and the step's tensor-parallel time grows by exactly their time, once per micro-batch, with the
+    copies torch makes around them (the sequence on dim 1: each reduce-scatter's input concatenated on dim 0)."""
     from fxworkload.capture.trace import FORWARD, INPUT_GRAD
     from fxworkload.cluster.network import comm_ns
+    from fxworkload.cost.gpu import memory_ns
 
     def run(recompute):
         return extract(str(tiny_dirs["llama"]), batch=2, seq=64, device="h100-sxm",
@@ -345,6 +358,9 @@ def test_full_recomputation_runs_the_blocks_collectives_again_before_their_backw
         assert all(c.what.endswith("recomputed forward") for c in backward[:len(forward)])
         assert backward[len(forward):] == before.comms[INPUT_GRAD]
         again_ns += sum(comm_ns(c, p, device) for c in forward)
+        # micro-batches of two sequences: every gather's result and every scatter's input copied, read and written
+        assert [c.copy_bytes for c in forward] == [2 * c.bytes for c in forward]
+        again_ns += sum(memory_ns(2 * c.bytes, device.gpu_facts(), device.gpu_model()) for c in forward)
     assert again_ns > 0
     assert [u.comms for u in selective.rank.units] == [u.comms for u in plain.rank.units]
     assert full.cluster.exposed_ns["tp"] == pytest.approx(plain.cluster.exposed_ns["tp"] + 2 * again_ns)

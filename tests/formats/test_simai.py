@@ -16,6 +16,7 @@ from fxworkload.formats.chrome_trace import CLUSTER_PID
 from fxworkload.cli import main
 from fxworkload.cost.devices import load
 from fxworkload.errors import UserError
+from fxworkload.cost.gpu import memory_ns
 from fxworkload.pipeline import extract
 from fxworkload.parallel.layout import Parallel
 from fxworkload.formats.simai import COMM_TYPES, from_rank, text
@@ -51,11 +52,18 @@ def test_simai_file_round_trips_and_matches_the_rank(tiny_dirs, tmp_path, capsys
             assert kind.removesuffix("_DP_EP").removesuffix("_EP") in COMM_TYPES and "ASYNC" not in kind
     result = extract(str(tiny_dirs["mixtral"]), batch=2, seq=16, parallel=Parallel(
         tp=2, pp=2, dp=4, ep=2, sp=True, micro_batches=3, zero=1, stage=1))
-    assert document == from_rank(result.rank)
+    assert document == from_rank(result.rank, result.device, result.cluster_or_none())
     units = [u for u in result.rank.units if u.block != "dp"]
     # SimAI runs the rows once (Workload.cc): the rank's units are written once per micro-batch
     assert [r.name for r in document.rows if r.forward_ns] == 3 * [u.name for u in units if round(_pass_ns(u, FORWARD))]
-    assert sum(r.forward_ns for r in document.rows) == 3 * sum(round(_pass_ns(u, FORWARD)) for u in units)
+    # a row's forward: its pass, and torch's copies around its tensor-parallel collectives (2 sequences a
+    # micro-batch on dim 1: each gather's result and each scatter's input, read and written)
+    copies = [c for u in units for c in u.comms[FORWARD] if c.group == "tp" and c.type in ("ALLGATHER", "REDUCESCATTER")]
+    assert copies and all(c.copy_bytes == 2 * c.bytes for c in copies if c.what.startswith(("block", "row-parallel")))
+    copies_ns = {id(u): sum(memory_ns(c.copy_bytes, result.device.gpu_facts(), result.device.gpu_model())
+                            for c in u.comms[FORWARD] if c.group == "tp" and c.copy_bytes) for u in units}
+    assert sum(r.forward_ns for r in document.rows) == 3 * sum(round(_pass_ns(u, FORWARD) + copies_ns[id(u)])
+                                                               for u in units)
     sizes = sorted(r.forward_comm_bytes for r in document.rows if r.forward_comm == "ALLTOALL_EP")
     assert sizes == [2 * 16 // 2 * 2 * 64 * 4] * 2 * 3  # one MoE layer on stage 1: dispatch and combine, 3 times
     assert {r.weight_grad_comm for r in document.rows} >= {"REDUCESCATTER", "ALLGATHER", "REDUCESCATTER_DP_EP"}
@@ -406,17 +414,20 @@ OVERLAPPED_TP = dict(tp=2, sp=True, micro_batches=2, tp_comm_overlap=True)
 
 
 @pytest.mark.parametrize("stack, layout", [("eager", OVERLAPPED_TP), ("compiled", OVERLAPPED_TP),
-                                           ("eager", dict(cp=2, micro_batches=2))])
+                                           ("eager", dict(cp=2, micro_batches=2)),
+                                           ("compiled", dict(tp=2, sp=True, micro_batches=2))])
 def test_chrome_trace_passes_wait_for_the_collectives_beside_their_compute(tiny_dirs, stack, layout):
     """--tp-comm-overlap (userbuffers under eager, AsyncTP under compiled) and CP's ring: the collectives run
     beside the unit's compute, and the pass waits, after its compute, for what they outlast what they overlap
-    by (and AsyncTP's own kernels), as the cluster step counts it: each pass's spans on the rank end where the
-    cluster step's pass ends (2,048 sequences: collectives that outlast some of their GEMMs)."""
+    by (and AsyncTP's own kernels), as the cluster step counts it; plain sequence parallelism's copies around
+    its collectives (the sequence on dim 1) run on the compute thread too: each pass's spans on the rank end
+    where the cluster step's pass ends (2,048 sequences: collectives that outlast some of their GEMMs)."""
     result = extract(str(tiny_dirs["llama"]), batch=2048, seq=64, device="h100-sxm", stack=stack,
                      parallel=Parallel(**layout))
     trace = json.loads(result.files(["chrome-trace"])["workload.trace.json"])
     spans = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["pid"] == 0 and e["tid"] in (0, 1)]
-    waits = [e for e in spans if e["name"] == "waiting for the collectives beside its compute"]
+    waits = [e for e in spans if e["name"] in ("waiting for the collectives beside its compute",
+                                               "copies around its tensor-parallel collectives (sequence on dim 1)")]
     assert waits and all(e["dur"] > 0 for e in waits)
     for _, _, _, start_ns, end_ns in result.cluster.device_passes[0]:
         inside = [e for e in spans if start_ns / 1e3 - 1e-3 <= e["ts"] < end_ns / 1e3 - 1e-3]

@@ -216,3 +216,38 @@ def test_last_stage_reduces_its_copy_of_a_tied_head(tiny_dirs):
     c = result.spec.config
     h = c.n_embd
     assert sum(x.bytes for x in _comms(result, WEIGHT_GRAD, "dp")) == 4 * (12 * h * h + 13 * h + 2 * h + c.vocab_size * h)
+
+
+def _copies(fn, *args) -> bool:
+    """Whether torch's function returns new storage (a copy) rather than a view of its input."""
+    out = fn(*args)
+    return out.untyped_storage().data_ptr() != args[0].untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("stack, micro_batch", [("compiled", 2), ("compiled", 1), ("eager", 2), ("fused", 2)])
+def test_sequence_parallel_on_dim_1_copies_where_torchs_collectives_do(tiny_dirs, stack, micro_batch):
+    """torch's sequence parallelism shards [batch, seq, hidden] on dim 1 (DTensor's Shard(1)); NCCL gathers and
+    scatters dim 0, so torch re-concatenates a gather's result (torch._utils._maybe_view_chunk_cat) and a
+    scatter's input (_chunk_or_narrow_cat). Oracle: those functions of torch's, run on tensors of the rank's shapes:
+    where they return new storage the collective carries a copy of its whole buffer, read and written, on the
+    compute stream; where a view, none. Under inductor the input gradient's scatter reads a sum it writes into the
+    concatenation itself; Megatron's [seq, batch, hidden] (--stack fused) shards dim 0: no copy."""
+    import torch
+    from torch._utils import _chunk_or_narrow_cat, _maybe_view_chunk_cat
+
+    seq, tp = 64, 2
+    result = extract(str(tiny_dirs["llama"]), batch=micro_batch, seq=seq, dtype="bf16", device="h100-sxm",
+                     stack=stack, parallel=Parallel(tp=tp, sp=True))
+    hidden = result.facts.hidden
+    gathered = torch.zeros(tp * micro_batch, seq // tp, hidden)  # all_gather_into_tensor's result for gather_dim 1
+    gather_copies = _copies(_maybe_view_chunk_cat, gathered, tp, 1)
+    scatter_copies = _copies(_chunk_or_narrow_cat, torch.zeros(micro_batch, seq, hidden), tp, 1, 0)
+    assert gather_copies == (micro_batch > 1) and scatter_copies
+    block = next(u for u in result.rank.units if u.block == "attention")
+    (gather, scatter), (gradient_gather, input_gradient_scatter) = (
+        [c for c in block.comms[phase] if c.group == "tp"] for phase in (FORWARD, INPUT_GRAD))
+    dim1 = stack != "fused"
+    assert gather.copy_bytes == (2 * gather.bytes if dim1 and gather_copies else 0)
+    assert gradient_gather.copy_bytes == (2 * gradient_gather.bytes if dim1 and gather_copies else 0)
+    assert scatter.copy_bytes == (2 * scatter.bytes if dim1 and scatter_copies else 0)
+    assert input_gradient_scatter.copy_bytes == (2 * scatter.bytes if stack == "eager" else 0)
