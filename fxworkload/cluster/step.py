@@ -464,8 +464,9 @@ def exposed_comms_ns(unit: Unit, phase: str, p: Parallel, device: DeviceProfile)
     tensor-parallel ones overlapped with GEMMs (--tp-comm-overlap: Comm.beside, collectives._overlapped_tp)
     what they outlast the GEMMs they are pipelined with by, and at least one of the tp chunks they are
     pipelined in (the first chunk's transfer, or the last's, has no GEMM beside it). A tensor-parallel
-    collective's own kernel on the compute stream (AsyncTP's sum of a reduce-scatter's partial products) is
-    waited for whole."""
+    collective's own kernels on the compute stream (AsyncTP's sum of a reduce-scatter's partial products and its
+    copies; torch's copies around a collective on the sequence dim: parallel/collectives.py) are waited for
+    whole."""
     out: dict[str, float] = {}
     beside_core: dict[str, float] = {}
     beside_gemms: dict[str, float] = {}
@@ -481,7 +482,7 @@ def exposed_comms_ns(unit: Unit, phase: str, p: Parallel, device: DeviceProfile)
         core = sum(unit.core_ns[ph] for ph in phases)
         for group, ns in beside_core.items():
             out[group] = out.get(group, 0.0) + max(ns - core, 0.0)
-    own_kernels = [c for c in unit.comms[phase] if c.group == "tp" and c.copy_bytes]  # AsyncTP's reduction kernel
+    own_kernels = [c for c in unit.comms[phase] if c.group == "tp" and c.copy_bytes]  # (docstring)
     if own_kernels:
         out["tp"] = out.get("tp", 0.0) + copy_kernels_ns(own_kernels, device)
     return out

@@ -37,8 +37,8 @@ class Comm:
     beside: str = ""
     # the bytes a memory-bound kernel of its own moves on the compute stream with this collective: ZeRO 3 as
     # FSDP2 runs it (the gathered parameters' copy-out after a gather, the gradients' copy-in before a
-    # reduce-scatter: cluster/zero3.py), AsyncTP's sum of a reduce-scatter's partials (collectives.py); and
-    # whether that copy converts dtypes
+    # reduce-scatter: cluster/zero3.py), AsyncTP's sum of a reduce-scatter's partials and its copies, torch's
+    # copies around a collective on the sequence dim (collectives.py); and whether that copy converts dtypes
     copy_bytes: int = 0
     copy_casts: bool = False
     # reads the output of the unit's last GEMM (a row-parallel output's reduction, MoE's combine): a
