@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from fxworkload.capture.trace import FORWARD, INPUT_GRAD, PHASES  # noqa: E402
 from fxworkload.cluster.network import NIC_EFFICIENCY, choose, nvlink_bus_bytes_per_s  # noqa: E402
-from fxworkload.cluster.step import copy_kernels_ns, exposed_comms_ns  # noqa: E402
+from fxworkload.cluster.step import blocking_tp_copies_ns, exposed_by_ns  # noqa: E402
 from fxworkload.cost.devices import load  # noqa: E402
 from fxworkload.formats import simai  # noqa: E402
 from fxworkload.formats.chakra import GROUPS_FILE, chakra_files  # noqa: E402
@@ -164,16 +164,9 @@ def run_layout(name: str, folder: Path, simai_run: str, astra_run: str) -> dict:
 def folded_tp_ns(units, parallel, device) -> float:
     """What one micro-batch's overlapped TP collectives expose (--tp-comm-overlap), with AsyncTP's own kernels, and
     the copies torch makes around the blocking ones (a sequence on dim 1): the files carry both as compute."""
-    total = 0.0
-    for unit in units:
-        for phase in (FORWARD, INPUT_GRAD):
-            overlapped = [c for c in unit.comms[phase] if c.group == "tp" and c.overlapped]
-            if overlapped:
-                total += sum(exposed_comms_ns(replace(unit, comms={phase: overlapped}), phase, parallel,
-                                              device).values())
-            copies = [c for c in unit.comms[phase] if c.group == "tp" and not c.overlapped and c.copy_bytes]
-            total += copy_kernels_ns(copies, device) if copies else 0.0
-    return total
+    return sum(exposed_by_ns(u, phase, [c for c in u.comms[phase] if c.group == "tp" and c.overlapped], parallel,
+                             device) + blocking_tp_copies_ns(u, phase, device)
+               for u in units for phase in (FORWARD, INPUT_GRAD))
 
 
 def run_simai(run_sh: str, path: Path, world: int, device) -> tuple[float, float]:

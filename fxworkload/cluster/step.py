@@ -626,6 +626,21 @@ def fsdp2_hooks_wait_ns(members: list[Unit], forward: bool, device: DeviceProfil
     return fsdp2_host_wait_ns(passes, issue, not forward, parameters)
 
 
+def exposed_by_ns(unit: Unit, phase: str, comms: list, p: Parallel, device: DeviceProfile) -> float:
+    """What the unit's pass of ``phase`` waits on these of its collectives alone, as exposed_comms_ns counts it
+    (the formats fold or draw a part of a pass's collectives)."""
+    if not comms:
+        return 0.0
+    return sum(exposed_comms_ns(replace(unit, comms={phase: comms}), phase, p, device).values())
+
+
+def blocking_tp_copies_ns(unit: Unit, phase: str, device: DeviceProfile | None) -> float:
+    """torch's copies around the unit's blocking tensor-parallel collectives of ``phase`` (a sequence on dim 1:
+    parallel/collectives.py), kernels of their own on the compute stream."""
+    copies = [c for c in unit.comms[phase] if c.group == "tp" and not c.overlapped and c.copy_bytes]
+    return copy_kernels_ns(copies, device) if copies else 0.0
+
+
 def copy_kernels_ns(comms: list, device: DeviceProfile | None) -> float:
     """The memory-bound kernels on the compute stream that go with ``comms`` (their ``copy_bytes``): FSDP2's
     copy-out and copy-in (zero3.py), AsyncTP's sum of a reduce-scatter's partial products (collectives.py);

@@ -12,11 +12,10 @@ timeline (one process per stage) follows the rank's in the same file.
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 
 from ..capture.trace import FORWARD, INPUT_GRAD, WEIGHT_GRAD
 from ..cluster.network import check_device, comm_ns
-from ..cluster.step import copy_kernels_ns, exposed_comms_ns
+from ..cluster.step import blocking_tp_copies_ns, exposed_by_ns
 from ..cost.devices import DeviceProfile
 from ..parallel.layout import Parallel
 from ..parallel.rank import RankWorkload
@@ -167,28 +166,19 @@ class _Timeline:
             self._span(f"{comm.type} {comm.group}", "comm", MODEL_PARALLEL_COMM, beside, duration,
                        micro_batch=micro_batch, what=comm.what, bytes=comm.bytes)
             beside += duration
-        waited = self._overlapped_ns(unit, phase)
+        waited = exposed_by_ns(unit, phase, [c for c in unit.comms[phase] if c.overlapped], self.parallel, self.device)
         if waited > 0:  # what they outlast the GEMMs (CP: the attention core) they overlap by; AsyncTP's own kernels
             self._span(WAITING_BESIDE, "comm", COMPUTE, self.now_ns, waited, micro_batch=micro_batch)
             self.now_ns += waited
-        copies = [c for c in unit.comms[phase] if c.group == "tp" and not c.overlapped and c.copy_bytes]
-        if copies:  # torch's copies around its blocking collectives on the sequence dim (parallel/collectives.py)
-            duration = copy_kernels_ns(copies, self.device)
-            self._span(SEQUENCE_DIM_COPIES, "compute", COMPUTE, self.now_ns, duration, micro_batch=micro_batch)
-            self.now_ns += duration
+        copies_ns = blocking_tp_copies_ns(unit, phase, self.device)
+        if copies_ns > 0:  # torch's copies around its blocking collectives on the sequence dim
+            self._span(SEQUENCE_DIM_COPIES, "compute", COMPUTE, self.now_ns, copies_ns, micro_batch=micro_batch)
+            self.now_ns += copies_ns
         for comm in (c for c in unit.comms[phase] if not c.overlapped):
             duration = comm_ns(comm, self.parallel, self.device)
             self._span(f"{comm.type} {comm.group}", "comm", MODEL_PARALLEL_COMM, self.now_ns, duration,
                        micro_batch=micro_batch, what=comm.what, bytes=comm.bytes)
             self.now_ns += duration
-
-    def _overlapped_ns(self, unit: Unit, phase: str) -> float:
-        """What a unit's pass waits on the collectives beside its compute, as the cluster step counts it."""
-        overlapped = [c for c in unit.comms[phase] if c.overlapped]
-        if not overlapped:
-            return 0.0
-        alone = replace(unit, comms={phase: overlapped})
-        return sum(exposed_comms_ns(alone, phase, self.parallel, self.device).values())
 
     def span(self, name: str, category: str, tid: int, start_ns: float, duration_ns: float, **args) -> None:
         self._span(name, category, tid, start_ns, duration_ns, **args)

@@ -207,12 +207,10 @@ def _folded_ns(unit: Unit, phase: str, p, device) -> float:
     SimAI has no CP group, and would run an overlapped TP collective as a blocking one; and the copies torch
     makes around the blocking TP collectives (a sequence on dim 1: parallel/collectives.py), kernels of their own
     on the compute stream."""
-    from ..cluster.step import copy_kernels_ns, exposed_comms_ns
+    from ..cluster.step import blocking_tp_copies_ns, exposed_by_ns
 
-    folded = replace(unit, comms={phase: [c for c in unit.comms[phase] if c.group == "cp" or c.overlapped]})
-    exposed = sum(exposed_comms_ns(folded, phase, p, device).values()) if folded.comms[phase] else 0.0
-    blocking_copies = [c for c in unit.comms[phase] if c.group == "tp" and not c.overlapped and c.copy_bytes]
-    return exposed + (copy_kernels_ns(blocking_copies, device) if blocking_copies else 0.0)
+    folded = [c for c in unit.comms[phase] if c.group == "cp" or c.overlapped]
+    return exposed_by_ns(unit, phase, folded, p, device) + blocking_tp_copies_ns(unit, phase, device)
 
 
 def text(workload: SimaiWorkload) -> str:

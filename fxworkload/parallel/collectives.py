@@ -81,12 +81,12 @@ def add_model_parallel(units: list[Unit], p: Parallel, micro_batch: int, seq: in
     tokens = micro_batch * seq // (p.tp if p.sp else 1)
     cp_forward, cp_backward = cp_comms(p, rank_kv_bytes)
     tp_comms = _tp_comms(p, act, micro_batch * seq * LOSS_BYTES_PER_TOKEN, fp8_gathered) if p.tp > 1 else {}
-    if tp_comms and p.sp and stack.sequence_dim == 1:  # torch's collectives on HF's [batch, seq, hidden]
-        tp_comms[None] = _sequence_dim_copies(*tp_comms[None], micro_batch, stack.generates_kernels)
     dim1_batches = p.sp and stack.sequence_dim == 1 and micro_batch > 1  # torch moves [b, s, h]'s dim 1 to dim 0
     if p.tp_comm_overlap:  # the decoder blocks' linear layers overlap their collectives with their GEMMs
         tp_comms[None] = _overlapped_tp(*tp_comms[None], stack.tp_overlap, p.tp, flatten_copies=dim1_batches,
                                         wgrad_copies=stack.sequence_dim == 1 and not fp8_linears)
+    if tp_comms and p.sp and stack.sequence_dim == 1:  # torch's blocking collectives on HF's [batch, seq, hidden]
+        tp_comms[None] = _sequence_dim_copies(*tp_comms[None], micro_batch, stack.generates_kernels)
     asynctp_inputs = p.tp_comm_overlap and stack.tp_overlap != "userbuffers" and dim1_batches
     scatter_inputs: dict[tuple, list[Comm]] = {}  # AsyncTP's fused reduce-scatters with their GEMM input's copy
     ep_comms = _ep_comms(p, tokens * hidden * act_itemsize, experts, top_k) if p.ep > 1 else None
@@ -154,8 +154,7 @@ def _overlapped_tp(forward: list[Comm], backward: list[Comm], how: str, tp: int,
              for c in forward]
     gather, scatter = backward
     if not asynctp:
-        return fused, [replace(gather, overlapped=True, beside=DGRAD, copy_bytes=0),
-                       replace(scatter, overlapped=True, beside=WGRAD, copy_bytes=0)]
+        return fused, [replace(gather, overlapped=True, beside=DGRAD), replace(scatter, overlapped=True, beside=WGRAD)]
     wgrad = 2 * (gather.bytes + next(c.bytes for c in forward if c.type == ALLGATHER)) if wgrad_copies else 0
     return fused, [replace(gather, overlapped=True, beside=DGRAD,
                            copy_bytes=_asynctp_copy_bytes(gather, tp, flatten_copies) + wgrad), scatter]
@@ -184,9 +183,11 @@ def _sequence_dim_copies(forward: list[Comm], backward: list[Comm], micro_batch:
     first (torch._utils._chunk_or_narrow_cat, always a copy). Under a compiler the input gradient's
     reduce-scatter input is the sum of the q/k/v (gate/up) input gradients, which inductor writes straight into
     the concatenation (a pointwise kernel writing each slice); behind an extern GEMM (the row-parallel output) or
-    a collective (a gather) the copy is a kernel of its own. Megatron's [seq, batch, hidden] shards dim 0: none."""
+    a collective (a gather) the copy is a kernel of its own. Megatron's [seq, batch, hidden] shards dim 0: none.
+    Only blocking collectives: overlapped ones are AsyncTP's fused ops or userbuffers', which copy as they do
+    (_overlapped_tp)."""
     def copied(comm: Comm, needed: bool) -> Comm:
-        return replace(comm, copy_bytes=2 * comm.bytes) if needed else comm
+        return replace(comm, copy_bytes=2 * comm.bytes) if needed and not comm.overlapped else comm
 
     gathers = micro_batch > 1
     (gather, scatter), (gradient_gather, input_gradient_scatter) = forward, backward

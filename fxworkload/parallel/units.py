@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from ..capture.trace import FORWARD, PHASES
 from ..workload.layers import layer_of
+from ..workload.siblings import input_elements
 from ..workload.table import GradRow, NodeRow, Workload
 from .recompute import is_recomputed
 
@@ -115,7 +116,7 @@ def gemms_beside(rows: list[NodeRow], phase: str, beside: str) -> list:
     producer = layers[-1]
     if beside == DGRAD:
         return [op for op in producer.input_grad if op.kind == "matmul"][-1:]
-    readers = [r for r in layers[:-1] if _input_elements(r) == _input_elements(layers[0])]
+    readers = [r for r in layers[:-1] if input_elements(r) == input_elements(layers[0])]
     if beside == WGRAD:
         return [op for r in readers for op in r.weight_grad if op.kind == "matmul"]
     chosen = readers if beside == READERS else [producer]
@@ -123,10 +124,6 @@ def gemms_beside(rows: list[NodeRow], phase: str, beside: str) -> list:
         return [r.forward for r in chosen]
     return [r.input_grad[0] for r in chosen if is_recomputed(r)]  # a recomputed forward's copies
 
-
-def _input_elements(row: NodeRow) -> int:
-    m, k, _ = row.forward.gemm_mkn
-    return m * k
 
 
 def split(workload: Workload, stack: str | None, row_parallel: list[str]) -> list[Unit]:
