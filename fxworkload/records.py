@@ -51,7 +51,21 @@ def _field_names(cls) -> tuple[str, ...]:
 
 
 def decode(value, hint, where: str = "entry"):
-    """``value`` (parsed JSON) as ``hint`` says, or RecordError naming where it is wrong."""
+    """``value`` (parsed JSON) as ``hint`` says, or RecordError naming where it is wrong.
+
+    The reader compiled for ``hint`` (``_reader``: one closure per annotation, its field readers resolved
+    once) checks what ``_checked`` checks without tracking where it is; only when it refuses a value is the
+    value read again by ``_checked``, for the message that names where. (A cached 671B MoE shape is 2.4
+    million fields: reflecting on each annotation per value took 3.6 s of a plan's 5.3 s a shape.)"""
+    try:
+        return _reader(hint)(value)
+    except RecordError as exc:
+        _checked(value, hint, where)  # raises, naming where
+        raise RecordError(f"{where}: {exc}") from None  # the two readers disagree: still refused
+
+
+def _checked(value, hint, where: str):
+    """``decode`` reflecting on ``hint`` at every value, keeping where it is: the reader of the messages."""
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if dataclasses.is_dataclass(hint):
         return _dataclass(value, hint, where)
@@ -61,7 +75,7 @@ def decode(value, hint, where: str = "entry"):
         errors = []
         for option in (a for a in args if a is not type(None)):
             try:
-                return decode(value, option, where)
+                return _checked(value, option, where)
             except RecordError as exc:
                 errors.append(str(exc))
         raise RecordError(errors[0] if len(errors) == 1 else f"{where}: matches none of {hint}")
@@ -74,7 +88,7 @@ def decode(value, hint, where: str = "entry"):
             raise RecordError(f"{where}: expected an integer, got a boolean")
         return _expect(value, int, where)
     if hint is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not _finite(value):
             raise RecordError(f"{where}: expected a finite number, got {value!r:.40}")
         return float(value)
     if hint is str:
@@ -82,19 +96,19 @@ def decode(value, hint, where: str = "entry"):
     if hint in (list, dict):
         return _plain(_expect(value, hint, where), where)
     if origin is list:
-        return [decode(v, args[0], f"{where}[{i}]") for i, v in enumerate(_expect(value, list, where))]
+        return [_checked(v, args[0], f"{where}[{i}]") for i, v in enumerate(_expect(value, list, where))]
     if origin in (frozenset, set):
-        return origin(decode(v, args[0], f"{where}[{i}]") for i, v in enumerate(_expect(value, list, where)))
+        return origin(_checked(v, args[0], f"{where}[{i}]") for i, v in enumerate(_expect(value, list, where)))
     if origin is tuple:
         items = _expect(value, list, where)
         if len(args) == 2 and args[1] is Ellipsis:
-            return tuple(decode(v, args[0], f"{where}[{i}]") for i, v in enumerate(items))
+            return tuple(_checked(v, args[0], f"{where}[{i}]") for i, v in enumerate(items))
         if len(items) != len(args):
             raise RecordError(f"{where}: expected {len(args)} items, got {len(items)}")
-        return tuple(decode(v, a, f"{where}[{i}]") for i, (v, a) in enumerate(zip(items, args)))
+        return tuple(_checked(v, a, f"{where}[{i}]") for i, (v, a) in enumerate(zip(items, args)))
     if origin is dict:
         items = _expect(value, dict, where)
-        return {decode(k, args[0], where): decode(v, args[1], f"{where}.{k}") for k, v in items.items()}
+        return {_checked(k, args[0], where): _checked(v, args[1], f"{where}.{k}") for k, v in items.items()}
     raise RecordError(f"{where}: {hint} is not a record field type")
 
 
@@ -110,7 +124,7 @@ def _dataclass(value, cls, where: str):
     missing = required - set(items)
     if missing:
         raise RecordError(f"{where}: {cls.__name__} lacks {sorted(missing)[0]!r}")
-    return cls(**{name: decode(v, hints[name], f"{where}.{name}") for name, v in items.items()})
+    return cls(**{name: _checked(v, hints[name], f"{where}.{name}") for name, v in items.items()})
 
 
 @functools.cache
@@ -135,3 +149,138 @@ def _plain(value, where: str):
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     raise RecordError(f"{where}: {type(value).__name__} is not JSON")
+
+
+@functools.cache
+def _reader(hint):
+    """A function reading a parsed JSON value as ``hint`` says (RecordError without where), built once per
+    annotation: the same checks, in the same order, as ``_checked``."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if dataclasses.is_dataclass(hint):
+        return _dataclass_reader(hint)
+    if origin in (typing.Union, types.UnionType):
+        optional = type(None) in args
+        options = [_reader(a) for a in args if a is not type(None)]
+        if optional and len(options) == 1:
+            only = options[0]
+            return lambda value: None if value is None else only(value)
+
+        def union(value):
+            if value is None and optional:
+                return None
+            for option in options:
+                try:
+                    return option(value)
+                except RecordError:
+                    pass
+            raise RecordError(f"matches none of {hint}")
+        return union
+    if hint is typing.Any or hint is object:
+        return _plain_value
+    if hint in _SCALARS:
+        return _SCALARS[hint]
+    if hint in (list, dict):
+        return lambda value: _plain_value(_expect(value, hint, ""))
+    if origin is list:
+        item = _reader(args[0])
+        return lambda value: [item(v) for v in _exactly(value, list)]
+    if origin in (frozenset, set):
+        item = _reader(args[0])
+        return lambda value: origin(item(v) for v in _exactly(value, list))
+    if origin is tuple:
+        if len(args) == 2 and args[1] is Ellipsis:
+            item = _reader(args[0])
+            return lambda value: tuple(item(v) for v in _exactly(value, list))
+        items = tuple(_reader(a) for a in args)
+
+        def fixed(value):
+            value = _exactly(value, list)
+            if len(value) != len(items):
+                raise RecordError(f"expected {len(items)} items, got {len(value)}")
+            return tuple(read(v) for read, v in zip(items, value))
+        return fixed
+    if origin is dict:
+        key, item = _reader(args[0]), _reader(args[1])
+        return lambda value: {key(k): item(v) for k, v in _exactly(value, dict).items()}
+    raise RecordError(f"{hint} is not a record field type")
+
+
+def _dataclass_reader(cls):
+    hints = _hints(cls)
+    fields = dataclasses.fields(cls)
+    names = frozenset(f.name for f in fields)
+    required = frozenset(f.name for f in fields
+                         if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
+    readers: dict = {}
+
+    def read(value):
+        items = _exactly(value, dict)
+        keys = items.keys()
+        if not (keys <= names and required <= keys):
+            raise RecordError(f"not the fields of {cls.__name__}")
+        if not readers:  # resolved at first use: a field's class may be the one being built
+            readers.update((name, _reader(hints[name])) for name in names)
+        return cls(**{name: readers[name](v) for name, v in items.items()})
+    return read
+
+
+def _exactly(value, kind):
+    if not isinstance(value, kind):
+        raise RecordError(f"expected {kind.__name__}, got {type(value).__name__}")
+    return value
+
+
+def _read_int(value):
+    if type(value) is int or (isinstance(value, int) and not isinstance(value, bool)):
+        return value
+    raise RecordError("expected an integer")
+
+
+def _read_float(value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not _finite(value):
+        raise RecordError("expected a finite number")
+    return float(value)
+
+
+def _finite(number) -> bool:
+    """Whether a JSON number is finite as a float (an integer past float's range is not)."""
+    try:
+        return math.isfinite(number)
+    except OverflowError:
+        return False
+
+
+def _read_bool(value):
+    if type(value) is bool:
+        return value
+    raise RecordError("expected a boolean")
+
+
+def _read_str(value):
+    if isinstance(value, str):
+        return value
+    raise RecordError("expected a string")
+
+
+_SCALARS = {int: _read_int, float: _read_float, bool: _read_bool, str: _read_str}
+
+
+_ATOMS = frozenset({int, str, bool, type(None)})
+
+
+def _plain_value(value):
+    """``_plain`` without where: JSON's own types only, numbers finite."""
+    kind = type(value)
+    if kind is int or kind is str or kind is bool or value is None:
+        return value
+    if kind is list:
+        if _ATOMS.issuperset(map(type, value)):  # a shape or a list of names: checked in one C-level pass
+            return list(value)
+        return [_plain_value(v) for v in value]
+    if kind is float:
+        if not math.isfinite(value):
+            raise RecordError("a non-finite number")
+        return value
+    if kind is dict:
+        return {k: _plain_value(v) for k, v in value.items()}
+    return _plain(value, "")  # a subclass of one of them: as _plain says

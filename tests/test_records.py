@@ -67,3 +67,63 @@ def test_the_cached_classes_read_back_equal():
                 estimated_ns=0.0, has_flop_rule=True, gemm_mkn=(2, 3, 4), gemm_leading=(3, 4, 4))
     for value in (facts, op):
         assert decode(json.loads(json.dumps(encode(value))), type(value)) == value
+
+
+def _mutations(value):
+    """Every value one change away from ``value`` (a parsed JSON tree): each leaf, list and object replaced by
+    values of the other JSON kinds, each list cut short and grown, each object given an unknown key and each key
+    dropped in turn."""
+    others = (None, True, 0, 2, -1, 0.5, math.inf, "x", [], {}, [1], 10 ** 400)
+    for other in others:
+        if other is not value and not (type(other) is type(value) and other == value):
+            yield other
+    if isinstance(value, list):
+        if value:
+            yield value[:-1]
+            yield value + value[-1:]
+        for i, item in enumerate(value):
+            for changed in _mutations(item):
+                yield value[:i] + [changed] + value[i + 1:]
+    if isinstance(value, dict):
+        yield value | {"unknown": 1}
+        for key in value:
+            yield {k: v for k, v in value.items() if k != key}
+            for changed in _mutations(value[key]):
+                yield value | {key: changed}
+
+
+def _outcome(read, data, hint):
+    try:
+        return "read", read(data, hint)
+    except RecordError:
+        return "refused", None
+
+
+def test_the_compiled_readers_accept_and_refuse_exactly_what_reflecting_on_each_annotation_does():
+    """``decode`` reads through a reader compiled once per annotation; the reflective reader it replaced
+    (kept as ``_checked``, for its messages) is the oracle: for every value one change away from a valid
+    record of each cached class, both read the same record or both refuse it."""
+    from fxworkload.records import _checked, _reader
+
+    facts = ModelFacts(name="m", model_type="llama", task="causal-lm", layers=2, hidden=64, heads=4, kv_heads=2,
+                       vocab=96, experts=0, top_k=1, stack="model.layers", row_parallel=("a.o_proj",),
+                       tied_embedding=None, head_dim_config=0, max_positions=64)
+    op = OpCost(fx_name="mm", op="aten.mm.default", kind="matmul", phase="forward", input_shapes=[[2, 3], [3, 4]],
+                input_dtypes=["float32"] * 2, output_shapes=[[2, 4]], output_dtypes=["float32"], flops=48, bytes=80,
+                estimated_ns=0.0, has_flop_rule=True, gemm_mkn=(2, 3, 4), gemm_leading=None,
+                attention={"q_len": 4, "nested": [[1, 2.5], None]})
+    compared = 0
+    for record in (GOOD, facts, op):
+        hint = type(record)
+        valid = json.loads(json.dumps(encode(record)))
+        for data in [valid, *_mutations(valid)]:
+            compiled = _outcome(lambda d, h: _reader(h)(d), data, hint)
+            assert compiled == _outcome(lambda d, h: _checked(d, h, "entry"), data, hint), data
+            assert _outcome(decode, data, hint) == compiled
+            compared += 1
+    assert compared > 300
+
+
+def test_an_integer_past_floats_range_is_refused_as_a_number_not_raised():
+    with pytest.raises(RecordError, match="expected a finite number"):
+        decode(encode(GOOD) | {"rate": 10 ** 400}, Sample)
