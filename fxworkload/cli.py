@@ -61,7 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
                          help="every dropout of the model off, as a loop runs it in eval mode (from_pretrained leaves "
                               "the model so until model.train()); match a measured loop that never called model.train()")
     extract.add_argument("--every-layer", action="store_true",
-                         help="trace every decoder layer instead of one layer standing for all identical ones")
+                         help="trace every decoder layer instead of one layer standing for all identical ones (or one "
+                              "repetition for the middle ones of a repeated run of layers)")
     extract.add_argument("--format", default="tables",
                          help="what to write, comma-separated: tables (workload.tsv, nodes.tsv, workload.json), "
                               "simai (workload.simai.txt), chrome-trace (workload.trace.json), chakra (workload.<rank>.et, "

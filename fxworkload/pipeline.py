@@ -347,7 +347,7 @@ def _capture(model, execution: Execution, seq: int | None, gpu, every_layer, say
     from .cost.flops import register_transformers_ops
     from .parallel import tensor_parallel
     from .parallel.loss_parallel import with_vocab_parallel_loss
-    from .workload.layers import SHORT_LAYERS, fast_workload
+    from .workload.layers import SHORT_LAYERS, fast_workload, piecewise_workload
     from .workload.table import build
 
     parallel, dtype, stack, batch = execution.parallel, execution.dtype, execution.stack, execution.batch
@@ -359,7 +359,7 @@ def _capture(model, execution: Execution, seq: int | None, gpu, every_layer, say
         step_seq(spec, seq * parallel.cp)
     seq = step_seq(spec, seq)
     check_sequence(parallel, seq * parallel.cp)
-    facts, stack_alike = _built_facts(spec, dtype)
+    facts, stack_alike, kinds = _built_facts(spec, dtype)
     check_parallel(parallel, facts)  # before any progress line: a bad layout is the only thing said
     say(f"built {spec.name} on the meta device ({dtype})")
 
@@ -375,6 +375,13 @@ def _capture(model, execution: Execution, seq: int | None, gpu, every_layer, say
                                      stack)
             if workload is not None:
                 return workload, seq, facts
+        elif kinds is not None:
+            say(f"capturing one training step (batch {batch}, seq {seq}) of copies keeping one middle repetition of "
+                "each repeated run of its layers...")
+            workload = piecewise_workload(spec, *kinds, batch, seq, DTYPES[dtype], DTYPES[execution.gradients], gpu,
+                                          prepare, stack)
+            if workload is not None:
+                return workload, seq, facts
         say("its layers differ: capturing every layer...")
     else:
         say(f"capturing one training step (batch {batch}, seq {seq}), every layer...")
@@ -388,8 +395,9 @@ def _capture(model, execution: Execution, seq: int | None, gpu, every_layer, say
 _BUILT = Memo(16)
 
 
-def _built_facts(spec, dtype: str) -> tuple[ModelFacts, str | None]:
-    """The model's facts and ``uniform_stack``, from the whole model built on the meta device."""
+def _built_facts(spec, dtype: str) -> tuple[ModelFacts, str | None, tuple[str, tuple[int, ...]] | None]:
+    """The model's facts, ``uniform_stack``, and where that is None ``layer_kinds`` (the layers' path and each
+    one's kind), from the whole model built on the meta device."""
     key = (spec.name, spec.task, spec.config.to_json_string(use_diff=False), dtype)
     return _BUILT.get(key, (), _facts_of_built, spec, dtype)
 
@@ -397,10 +405,11 @@ def _built_facts(spec, dtype: str) -> tuple[ModelFacts, str | None]:
 def _facts_of_built(spec, dtype: str) -> tuple[ModelFacts, str | None]:
     from .capture import models
     from .parallel.facts import model_facts
-    from .workload.layers import uniform_stack
+    from .workload.layers import layer_kinds, uniform_stack
 
     module = models.build_meta_model(spec, DTYPES[dtype])
-    return model_facts(spec, module), uniform_stack(spec, module)
+    facts, alike = model_facts(spec, module), uniform_stack(spec, module)
+    return facts, alike, None if alike is not None else layer_kinds(module, facts.layers)
 
 
 def _with_padded_vocab(spec, vocab_multiple: int, tp: int):

@@ -9,9 +9,18 @@ add belongs to the layer below). When the two captures agree (same prefix, suffi
 layer; every middle layer identical up to its index), nothing outside the middle layers depends
 on the layer count, and the full table is prefix + first layer + the middle layer renumbered for
 layers 1..L-2 + the last layer renumbered as L-1 + suffix. Row names are built from module
-paths (see workload._row_names), so they are the names the full trace gives. Anything else
-(mixed dense and MoE layers, sliding-window layers, ops between layers) returns None and the
-caller traces every layer.
+paths (see workload._row_names), so they are the names the full trace gives.
+
+Where the layers differ but repeat (DeepSeek-V3's three dense layers then 58 MoE ones, gpt-oss's
+sliding and full attention in turn, Gemma 3's five local layers to one global: ``repeats``), the
+model is built whole and its layer list cut down before it is traced (``piecewise_workload``): each
+run of a repeated unit of layers keeps its first, one middle and its last repetition, the layers
+around the runs all kept, each in its own place between the same neighbours. Every middle
+repetition is then the kept middle one renumbered. A second capture per run, with two middle
+repetitions, must agree with the first (its extra repetition equal to the kept middle one, every
+other layer equal), and gives what a repetition adds to the peaks. Anything else (ops between
+layers, captures that disagree, nothing repeated four times) returns None and the caller traces
+every layer.
 """
 
 from __future__ import annotations
@@ -20,6 +29,7 @@ import copy
 import functools
 import re
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -69,6 +79,133 @@ def fast_workload(spec, stack: str, batch: int, seq: int, dtype: torch.dtype,
                             # identical layer: the slack does not grow with the layers (GPT-2: 2.30 GiB with
                             # 2 layers, 2.31 with 3, 2.34 with all 12), so the longer copy's stands for all
                             reserved_slack_bytes=shorts[-1].reserved_slack_bytes)
+
+
+MAX_PERIOD = 8  # the longest unit of layers looked for (Gemma 3's is 6)
+MIN_TIMES = 4  # a unit repeated fewer times is kept whole: its first, a middle and its last are all it has
+
+
+@dataclass(frozen=True)
+class Repeat:
+    """A unit of ``period`` layers repeated ``times`` in a row from layer ``start``."""
+    start: int
+    period: int
+    times: int
+
+    def kept(self, extra: bool = False) -> list[int]:
+        """The repetitions kept in a short copy: the first, one middle (two with ``extra``) and the last."""
+        return [0, 1, 2, self.times - 1] if extra else [0, 1, self.times - 1]
+
+
+def layer_kinds(model: torch.nn.Module, layers: int) -> tuple[str, tuple[int, ...]] | None:
+    """The decoder layers' path and each layer's kind (layers alike share one, numbered as first seen)."""
+    stack = layer_stack(model, layers)
+    if stack is None:
+        return None
+    numbers: dict[str, int] = {}
+    return stack, tuple(numbers.setdefault(_signature(layer), len(numbers)) for layer in model.get_submodule(stack))
+
+
+def repeats(kinds: tuple[int, ...]) -> list[Repeat]:
+    """The runs of a repeated unit of layers, left to right: at each layer, the unit (of up to MAX_PERIOD
+    layers, the shortest of those covering the most) repeated the most layers on from it, if MIN_TIMES or more."""
+    found, i = [], 0
+    while i < len(kinds):
+        best = None
+        for period in range(1, MAX_PERIOD + 1):
+            unit = kinds[i:i + period]
+            times = 0
+            while kinds[i + times * period:i + (times + 1) * period] == unit and len(unit) == period:
+                times += 1
+            if times >= MIN_TIMES and (best is None or period * times > best.period * best.times):
+                best = Repeat(i, period, times)
+        if best is None:
+            i += 1
+        else:
+            found.append(best)
+            i += best.period * best.times
+    return found
+
+
+def kept_layers(layers: int, runs: list[Repeat], extra: Repeat | None = None) -> list[int]:
+    """The layers a short copy keeps, in order: every layer outside the runs, and each run's kept repetitions."""
+    dropped = set()
+    for run in runs:
+        kept = set(run.kept(run == extra))
+        dropped |= {run.start + j * run.period + o for j in range(run.times) if j not in kept for o in range(run.period)}
+    return [i for i in range(layers) if i not in dropped]
+
+
+def standing_for(layer: int, runs: list[Repeat]) -> int:
+    """The layer of the short copy (a full-model index) that stands for ``layer``: itself outside the runs, the
+    kept middle repetition's for a middle one."""
+    for run in runs:
+        j, offset = divmod(layer - run.start, run.period)
+        if run.start <= layer < run.start + run.period * run.times:
+            return run.start + (j if j in (0, run.times - 1) else 1) * run.period + offset
+    return layer
+
+
+def piecewise_workload(spec, stack: str, kinds: tuple[int, ...], batch: int, seq: int, dtype: torch.dtype,
+                       grad_dtype: torch.dtype, gpu: GpuTarget | None = None,
+                       prepare: Callable[[torch.nn.Module], torch.nn.Module] = lambda m: m,
+                       execution_stack: str = "eager") -> Workload | None:
+    """The device-free table of a model whose layers differ but repeat, from short copies (module docstring),
+    or None where it has no run to shorten or its copies disagree."""
+    layers, runs = len(kinds), repeats(kinds)
+    kept = kept_layers(layers, runs)
+    if len(kept) * (1 + len(runs)) + sum(run.period for run in runs) >= layers:
+        return None  # the copies would trace as many layers as the model has, or more
+    short = _pruned_workload(spec, stack, kept, batch, seq, dtype, grad_dtype, gpu, prepare, execution_stack)
+    table = _split(short.rows, stack, len(kept))
+    if table is None:
+        return None
+    prefix, blocks, suffix = table
+    position = {layer: i for i, layer in enumerate(kept)}
+    figures = {name: getattr(short, name) for name in ("step_peak_bytes", "activation_peak_bytes")}
+    slack = short.reserved_slack_bytes
+    for run in runs:  # one more middle repetition of this run: the same layers, and what a repetition adds
+        longer_kept = kept_layers(layers, runs, extra=run)
+        longer = _pruned_workload(spec, stack, longer_kept, batch, seq, dtype, grad_dtype, gpu, prepare,
+                                  execution_stack)
+        if not _agrees(table, _split(longer.rows, stack, len(longer_kept)), kept, longer_kept, runs, stack):
+            return None
+        for name in figures:
+            figures[name] += (run.times - len(run.kept())) * (getattr(longer, name) - getattr(short, name))
+        slack = max(slack, longer.reserved_slack_bytes)
+    rows = list(prefix)
+    for layer in range(layers):
+        rows += _renumbered(blocks[position[standing_for(layer, runs)]], stack, position[standing_for(layer, runs)],
+                            layer)
+    return Workload.of_rows(rows + suffix, grad_dtype, stack=execution_stack, reserved_slack_bytes=slack, **figures)
+
+
+def _agrees(table, longer_table, kept: list[int], longer_kept: list[int], runs: list[Repeat], stack: str) -> bool:
+    """The longer copy's prefix and suffix are the short copy's, and each of its layers the short copy's layer
+    standing for it (its extra middle repetition the kept middle one)."""
+    if longer_table is None:
+        return False
+    (prefix, blocks, suffix), (longer_prefix, longer_blocks, longer_suffix) = table, longer_table
+    position = {layer: i for i, layer in enumerate(kept)}
+    return (_normalized(prefix, stack, 0) == _normalized(longer_prefix, stack, 0)
+            and _normalized(suffix, stack, 0) == _normalized(longer_suffix, stack, 0)
+            and all(_normalized(block, stack, i)
+                    == _normalized(blocks[position[standing_for(layer, runs)]], stack, position[standing_for(layer, runs)])
+                    for i, (layer, block) in enumerate(zip(longer_kept, longer_blocks))))
+
+
+def _pruned_workload(spec, stack: str, kept: list[int], batch, seq, dtype, grad_dtype, gpu, prepare,
+                     execution_stack) -> Workload:
+    """The model built whole, its layer list cut to ``kept`` (each layer keeps its own settings: its attention
+    kind, its index into the config's per-layer lists), then traced as one rank's share."""
+    from ..capture import models  # transformers: only when capturing
+
+    model = models.build_meta_model(spec, dtype)
+    parent, _, name = stack.rpartition(".")
+    every = model.get_submodule(stack)
+    setattr(model.get_submodule(parent) if parent else model, name, torch.nn.ModuleList(every[i] for i in kept))
+    model = prepare(model)
+    return build(capture_training_step(model, batch, seq, gpu=gpu), model, None, grad_dtype, execution_stack, stack)
 
 
 def _extrapolated(shorts: list[Workload], figure: str, layers: int) -> int:

@@ -67,6 +67,60 @@ def test_layers_that_differ_are_traced_one_by_one(tmp_path):
         _texts(extract(str(tmp_path), seq=16, use_cache=False, every_layer=True))
 
 
+# Models whose layers differ but repeat: DeepSeek-V3's dense layers before its MoE ones (first_k_dense_replace),
+# gpt-oss's sliding-window and full attention in turn (its layer_types).
+REPEATING = {
+    "deepseek_v3": dict(num_hidden_layers=12, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2,
+                        n_shared_experts=1, first_k_dense_replace=2, q_lora_rank=32, kv_lora_rank=16,
+                        qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, n_group=2, topk_group=1,
+                        vocab_size=96, max_position_embeddings=64, rope_parameters={"rope_type": "default"}),
+    "gpt_oss": dict(num_hidden_layers=16, hidden_size=64, intermediate_size=64, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, vocab_size=96,
+                    max_position_embeddings=64, sliding_window=8),
+}
+
+
+@pytest.mark.parametrize("model_type", sorted(REPEATING))
+def test_layers_that_differ_but_repeat_give_the_full_traces_table_from_short_copies(tmp_path, model_type,
+                                                                                     monkeypatch):
+    """The piecewise path (a repeated run of layers cut to its first, one middle and its last repetition) writes
+    the files the full trace writes, byte for byte (the allocator's slack aside, as for the one-layer path)."""
+    CONFIG_MAPPING[model_type](**REPEATING[model_type]).save_pretrained(tmp_path)
+    spec = models.resolve(str(tmp_path))
+    model = models.build_meta_model(spec, torch.float32)
+    assert layers.uniform_stack(spec, model) is None
+    stack, kinds = layers.layer_kinds(model, REPEATING[model_type]["num_hidden_layers"])
+    tables = []
+    original = layers.piecewise_workload
+    monkeypatch.setattr(layers, "piecewise_workload", lambda *a, **k: tables.append(original(*a, **k)) or tables[-1])
+    piecewise = extract(str(tmp_path), batch=2, seq=16, use_cache=False)
+    full = extract(str(tmp_path), batch=2, seq=16, use_cache=False, every_layer=True)
+    assert len(tables) == 1 and tables[0] is not None  # the short copies agreed and were used
+    assert _texts(piecewise) == _texts(full)
+    assert abs(piecewise.workload.reserved_slack_bytes - full.workload.reserved_slack_bytes) < 2 << 20
+
+
+@pytest.mark.parametrize("kinds, expected", [
+    ((0, 0, 0) + (1,) * 58, [layers.Repeat(3, 1, 58)]),  # DeepSeek-V3: three dense layers, 58 MoE
+    ((0, 1) * 12, [layers.Repeat(0, 2, 12)]),  # gpt-oss-20b: sliding and full attention in turn
+    ((0,) * 5 + (1,) + ((0,) * 5 + (1,)) * 9 + (0, 0), [layers.Repeat(0, 6, 10)]),  # Gemma 3 27B: 62 layers
+    ((0, 0, 0, 1, 1, 1), []),  # nothing four times in a row
+    ((0, 1, 1, 1, 1, 2, 2, 2, 2, 2), [layers.Repeat(1, 1, 4), layers.Repeat(5, 1, 5)]),
+])
+def test_repeated_runs_of_layers_are_found_as_counted_by_hand(kinds, expected):
+    assert layers.repeats(kinds) == expected
+
+
+def test_each_layer_of_a_run_is_stood_for_by_its_first_its_kept_middle_or_its_last_repetition():
+    """Layers 0-2 alone, then a unit of two layers repeated 5 times from layer 3 (layers 3-12): the copy keeps
+    repetitions 0, 1 and 4 (layers 3, 4 | 5, 6 | 11, 12); repetitions 2 and 3 take the kept middle one's."""
+    run = layers.Repeat(3, 2, 5)
+    assert layers.kept_layers(13, [run]) == [0, 1, 2, 3, 4, 5, 6, 11, 12]
+    assert layers.kept_layers(13, [run], extra=run) == [0, 1, 2, 3, 4, 5, 6, 7, 8, 11, 12]
+    assert [layers.standing_for(i, [run]) for i in range(13)] == [0, 1, 2, 3, 4, 5, 6, 5, 6, 5, 6, 11, 12]
+
+
 def test_cached_step_is_recosted_without_capturing(deep_dirs, monkeypatch):
     """The H200 and the H100 dispatch the same kernels (sm90, same SDPA order): one capture serves both."""
     first = extract(str(deep_dirs["llama"]), seq=16, device="h200")
