@@ -1,8 +1,11 @@
 """How fast ``plan`` searches: wall time and layouts per second, with an empty cache and warm.
 
-Two plans (issue 29's): Llama 3 70B on 1,024 H100s (global batch 1,024 x 4,096 tokens), and Llama 3
+Three plans: issue 29's Llama 3 70B on 1,024 H100s (global batch 1,024 x 4,096 tokens) and Llama 3
 405B on 16,384 H100s at 131,072 tokens with context parallelism (1 to 16) and FP8 in the space
-(global batch 128 sequences, 16M tokens, as the Llama 3 paper's long-context stage). Each runs once
+(global batch 128 sequences, 16M tokens, as the Llama 3 paper's long-context stage); and DeepSeek-V3
+(transformers' DeepseekV3Config defaults: 671B, three dense layers then 58 MoE ones of 256 experts)
+on 2,048 H100s at its pretraining batch (15,360 x 4,096 tokens, DeepSeek-V3 technical report, section
+4.2), FP8, Megatron's fused stack: the layers that differ, traced from short copies. Each runs once
 with an empty cache (a fresh FXWORKLOAD_CACHE_DIR: every shape captured) and once more warm (the
 same command: captures, facts and evaluated rows read from the cache); with ``--runs N`` each cold
 run N times (a fresh cache each), the median quoted with the fastest and slowest. Measure on an idle
@@ -36,9 +39,14 @@ def plans(root: Path) -> dict[str, list[str]]:
 
     folder = root / "llama-3-405b"
     LlamaConfig(**{k: v for k, v in LLAMA_405B.items() if k != "model_type"}).save_pretrained(folder)
+    from transformers import DeepseekV3Config
+
+    DeepseekV3Config().save_pretrained(root / "deepseek-v3")
     return {"70b": ["llama-3-70b", "--gpus", "1024", "--global-batch", "1024", "--seq", "4096", "--device", "h100-sxm"],
             "405b-cp-fp8": [str(folder), "--gpus", "16384", "--global-batch", "128", "--seq", "131072",
-                            "--device", "h100-sxm", "--cp", "1,2,4,8,16", "--fp8", "--stack", "fused"]}
+                            "--device", "h100-sxm", "--cp", "1,2,4,8,16", "--fp8", "--stack", "fused"],
+            "deepseek-v3": [str(root / "deepseek-v3"), "--gpus", "2048", "--global-batch", "15360", "--seq", "4096",
+                            "--device", "h100-sxm", "--fp8", "--stack", "fused"]}
 
 
 def timed(args: list[str], cache: Path, out: Path) -> float:
@@ -51,7 +59,7 @@ def timed(args: list[str], cache: Path, out: Path) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", default=None, help="70b or 405b-cp-fp8")
+    parser.add_argument("--only", default=None, help="70b, 405b-cp-fp8 or deepseek-v3")
     parser.add_argument("--runs", type=int, default=1, help="cold runs per plan (the median is quoted)")
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="fxworkload-plan-speed-"))
