@@ -196,16 +196,30 @@ def _agrees(table, longer_table, kept: list[int], longer_kept: list[int], runs: 
 
 def _pruned_workload(spec, stack: str, kept: list[int], batch, seq, dtype, grad_dtype, gpu, prepare,
                      execution_stack) -> Workload:
-    """The model built whole, its layer list cut to ``kept`` (each layer keeps its own settings: its attention
-    kind, its index into the config's per-layer lists), then traced as one rank's share."""
+    """``pruned_model`` traced as one rank's share."""
+    model = prepare(pruned_model(spec, stack, kept, dtype))
+    return build(capture_training_step(model, batch, seq, gpu=gpu), model, None, grad_dtype, execution_stack, stack)
+
+
+def pruned_model(spec, stack: str, kept: list[int], dtype: torch.dtype) -> torch.nn.Module:
+    """The model built whole, its layer list cut to ``kept``. Each layer keeps its own settings (its attention
+    kind, its index into the config's per-layer lists, read through its own config); the module that loops over
+    the layers gets a copy of the config whose per-layer lists are the kept layers' (transformers' loops read a
+    layer's mask by its place in the list: ``causal_mask_mapping[self.config.layer_types[i]]``)."""
     from ..capture import models  # transformers: only when capturing
 
     model = models.build_meta_model(spec, dtype)
     parent, _, name = stack.rpartition(".")
-    every = model.get_submodule(stack)
-    setattr(model.get_submodule(parent) if parent else model, name, torch.nn.ModuleList(every[i] for i in kept))
-    model = prepare(model)
-    return build(capture_training_step(model, batch, seq, gpu=gpu), model, None, grad_dtype, execution_stack, stack)
+    holder, every = (model.get_submodule(parent) if parent else model), model.get_submodule(stack)
+    setattr(holder, name, torch.nn.ModuleList(every[i] for i in kept))
+    config = getattr(holder, "config", None)
+    if config is not None:
+        local = copy.copy(config)
+        for key, value in vars(config).items():
+            if isinstance(value, list) and len(value) == len(every):
+                setattr(local, key, [value[i] for i in kept])
+        holder.config = local
+    return model
 
 
 def _extrapolated(shorts: list[Workload], figure: str, layers: int) -> int:

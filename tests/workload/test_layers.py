@@ -79,6 +79,10 @@ REPEATING = {
                     num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, vocab_size=96,
                     max_position_embeddings=64, sliding_window=8),
 }
+# gpt-oss's attention in turn for ten pairs, then three full-attention layers: the layers after the run sit 16
+# places earlier in the short copy, where the model's loop reads its masks from config.layer_types by position
+REPEATING["gpt_oss_tail"] = REPEATING["gpt_oss"] | dict(
+    num_hidden_layers=23, layer_types=["sliding_attention", "full_attention"] * 10 + ["full_attention"] * 3)
 
 
 @pytest.mark.parametrize("model_type", sorted(REPEATING))
@@ -86,7 +90,7 @@ def test_layers_that_differ_but_repeat_give_the_full_traces_table_from_short_cop
                                                                                      monkeypatch):
     """The piecewise path (a repeated run of layers cut to its first, one middle and its last repetition) writes
     the files the full trace writes, byte for byte (the allocator's slack aside, as for the one-layer path)."""
-    CONFIG_MAPPING[model_type](**REPEATING[model_type]).save_pretrained(tmp_path)
+    CONFIG_MAPPING[model_type.removesuffix("_tail")](**REPEATING[model_type]).save_pretrained(tmp_path)
     spec = models.resolve(str(tmp_path))
     model = models.build_meta_model(spec, torch.float32)
     assert layers.uniform_stack(spec, model) is None
@@ -99,6 +103,24 @@ def test_layers_that_differ_but_repeat_give_the_full_traces_table_from_short_cop
     assert len(tables) == 1 and tables[0] is not None  # the short copies agreed and were used
     assert _texts(piecewise) == _texts(full)
     assert abs(piecewise.workload.reserved_slack_bytes - full.workload.reserved_slack_bytes) < 2 << 20
+
+
+def test_the_loop_over_a_cut_layer_list_reads_each_kept_layers_own_kind_by_its_place(tmp_path):
+    """transformers' loop picks a layer's mask by its place in the list (``config.layer_types[i]``): in the cut
+    copy, place i must name the kind of the layer that sits there (here the full-attention layers after the run
+    would otherwise read the sliding pattern's), while each layer keeps its own."""
+    config = REPEATING["gpt_oss_tail"]
+    CONFIG_MAPPING["gpt_oss"](**config).save_pretrained(tmp_path)
+    spec = models.resolve(str(tmp_path))
+    stack, kinds = layers.layer_kinds(models.build_meta_model(spec, torch.float32), config["num_hidden_layers"])
+    kept = layers.kept_layers(len(kinds), layers.repeats(kinds))
+    assert kept == [0, 1, 2, 3, 18, 19, 20, 21, 22]
+    model = layers.pruned_model(spec, stack, kept, torch.float32)
+    loop = model.get_submodule(stack.rpartition(".")[0])
+    assert loop.config.layer_types == [config["layer_types"][i] for i in kept]
+    assert [layer.self_attn.layer_type for layer in loop.layers] == loop.config.layer_types
+    assert [layer.self_attn.layer_idx for layer in loop.layers] == kept  # each layer keeps its own index
+    assert model.config.layer_types == config["layer_types"]  # the model's own config untouched
 
 
 @pytest.mark.parametrize("kinds, expected", [
