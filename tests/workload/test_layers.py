@@ -79,6 +79,11 @@ REPEATING = {
                     num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, vocab_size=96,
                     max_position_embeddings=64, sliding_window=8),
 }
+# Gemma 3's five sliding-window layers to one global (its layer_types' default pattern): a unit of six, cut to
+# three repetitions only where it has eight or more (the copies trace 18 and 24 layers, together fewer than 48)
+REPEATING["gemma3_text"] = dict(num_hidden_layers=48, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                                num_key_value_heads=2, head_dim=16, vocab_size=96, max_position_embeddings=64,
+                                sliding_window=8)
 # gpt-oss's attention in turn for ten pairs, then three full-attention layers: the layers after the run sit 16
 # places earlier in the short copy, where the model's loop reads its masks from config.layer_types by position
 REPEATING["gpt_oss_tail"] = REPEATING["gpt_oss"] | dict(
