@@ -138,7 +138,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--attention", default=None, metavar="IMPL", help=ATTENTION_HELP)
     plan.add_argument("--ep-comm", default="alltoall", help=EP_COMM_HELP)
     plan.add_argument("--top", type=int, default=10, help="layouts listed (default 10; 0 = all that fit)")
-    plan.add_argument("--workers", type=int, default=None, help="local processes (default: one per core)")
+    plan.add_argument("--workers", type=int, default=None,
+                      help="local processes, at most one per core (default: one per core)")
     plan.add_argument("--ray", default=None, metavar="ADDRESS",
                       help="spread the sweep over this Ray cluster ('auto' = the one this machine is part of)")
     plan.add_argument("--out", type=_out_dir, default=None,
@@ -524,8 +525,6 @@ def run_plan(args) -> int:
         pyplot()  # a missing matplotlib is said now, not after the minutes the plan takes
     check_plan_counts(args.gpus, args.global_batch)
     check_settings(1, args.seq, args.dtype)
-    if args.workers is not None and args.workers < 1:
-        raise UserError(f"--workers must be at least 1, got {args.workers}")
     _quiet_transformers()
     result = plan(args.model, gpus=args.gpus, global_batch=args.global_batch, seq=args.seq, device=args.device,
                   dtype=args.dtype, workers=args.workers, ray=args.ray, progress=True, stack=args.stack,

@@ -7,6 +7,8 @@ figure past one is a typo, and would make a sweep hang or an output of absurd si
 
 from __future__ import annotations
 
+import os
+
 from .errors import UserError
 
 MAX_WORLD = 1 << 20  # GPUs
@@ -44,6 +46,29 @@ def check_count(option: str, value, limit: int, hint: str = "check it") -> None:
         raise UserError(f"{option} must be a positive integer, got {value}")
     if value > limit:
         raise UserError(f"{option} {value:,} exceeds {limit:,}, more than any real run; {hint}")
+
+
+def cores() -> int:
+    """The CPUs this process may run on: its affinity mask where the OS keeps one (taskset, a container's
+    cpuset), else the machine's count."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except AttributeError:  # macOS and Windows keep no affinity mask
+        return os.cpu_count() or 1
+
+
+def check_workers(workers: int | None) -> None:
+    """A local worker is a process that loads torch and evaluates shapes on a core: at least one, and no more
+    than the cores (more would only take memory, 0.2-4 GB a worker; a count such as 10**6 would start
+    processes until the machine ran out of it, with a stop signal held until the pool was whole)."""
+    if workers is None:
+        return
+    if workers < 1:
+        raise UserError(f"--workers must be at least 1, got {workers}")
+    if workers > cores():
+        raise UserError(f"--workers {workers} is more than the {cores()} cores this process may use: each worker "
+                        f"is a process that evaluates on a core of its own; use at most {cores()} (the default, one "
+                        "per core)")
 
 
 SUM_OF_OPS_TOLERANCE = 0.25  # the ops' medians and the eager step disagree by more: the timings are not to be trusted

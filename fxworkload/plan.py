@@ -38,7 +38,7 @@ from pathlib import Path
 
 from .errors import UserError
 from .memo import Memo
-from .limits import MAX_GLOBAL_BATCH, MAX_MICRO_BATCHES, MAX_WORLD, check_count
+from .limits import MAX_GLOBAL_BATCH, MAX_MICRO_BATCHES, MAX_WORLD, check_count, check_workers, cores
 from .progress import heartbeat, on_terminal
 
 MICRO_BATCH_SIZES = (1, 2, 4, 8)
@@ -341,6 +341,7 @@ def plan(model: str, gpus: int, global_batch: int, seq: int, device: str = "h100
     from .workload.stacks import check_stack
 
     check_plan_counts(gpus, global_batch)
+    check_workers(workers)
     check_stack(stack)
     check_values(Parallel(cuda_graphs=cuda_graphs, ep_comm=ep_comm))
     check_sdpa_backends(sdpa_backends)
@@ -361,7 +362,7 @@ def plan(model: str, gpus: int, global_batch: int, seq: int, device: str = "h100
     with contextlib.ExitStack() as stack_of_resources:
         # A model not seen before will be captured: the workers start at once, and the first one ready
         # reads the model's facts (this process never imports torch, which the workers have anyway).
-        early = (stack_of_resources.enter_context(_pool(workers or os.cpu_count() or 1))
+        early = (stack_of_resources.enter_context(_pool(workers or cores()))
                  if ray is None and not _facts_cached(model, dtype) else None)
         result = _plan(run, systems, workers, ray, progress, early)
     return result | ({"topology": topology} if topology else {}) | (
@@ -779,7 +780,7 @@ def _run(model, groups, settings, execution, systems: Systems, workers, ray_addr
             rows += _kept(part, pending.pop(ready[0])[1])
             bar.update(len(part))
     elif tasks:
-        count = workers or min(len(tasks), os.cpu_count() or 1)
+        count = workers or min(len(tasks), cores())
         lines = progress and not on_terminal()  # a log gets a line at least every 10 s instead of the bar
         done: list = []
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from fxworkload.cost.system import System
+from fxworkload.limits import cores
 from fxworkload.parallel.execution import Execution
 from fxworkload.parallel.layout import Parallel
 from fxworkload.pipeline import extract
@@ -226,14 +227,15 @@ def test_stopping_plan_stops_its_workers_and_frees_the_callers_pipes(tmp_path, s
     """Whatever stops plan (SIGTERM, Ctrl-C and SIGHUP handled, SIGKILL not), no process of the run survives it
     and a `| tee` or `$(...)` reading its output sees the end at once."""
     env = {**os.environ, "FXWORKLOAD_CACHE_DIR": str(tmp_path / "cache"), "PYTHONWARNINGS": "ignore"}
+    workers = min(2, cores())  # a plan runs at most a worker a core
     run = subprocess.Popen([sys.executable, "-m", "fxworkload", "plan", "llama-3-8b", "--gpus", "64", "--global-batch",
-                            "64", "--seq", "512", "--workers", "2", "--out", str(tmp_path / "plan")],
+                            "64", "--seq", "512", "--workers", str(workers), "--out", str(tmp_path / "plan")],
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True, env=env)
     try:
         deadline = time.monotonic() + 120
-        while len(_session(run.pid)) < 3 and time.monotonic() < deadline:  # the plan, two workers, a tracker
+        while len(_session(run.pid)) < workers + 2 and time.monotonic() < deadline:  # the plan, workers, a tracker
             time.sleep(0.1)
-        assert len(_session(run.pid)) >= 3, "the plan's workers never started"
+        assert len(_session(run.pid)) >= workers + 2, "the plan's workers never started"
         time.sleep(1)  # the workers are capturing
         os.kill(run.pid, sig)
         out, err = run.communicate(timeout=30)  # both pipes closed: every writer is gone
@@ -425,6 +427,26 @@ def test_context_parallelism_cannot_stretch_a_sequence_past_the_models_positions
     assert run.returncode == 2 and says in run.stderr, run.stderr
     assert not (tmp_path / "never").exists()
     assert in_process("extract", four_layers, "--seq", 64, *cp, "--out", tmp_path / "b").returncode == 0
+
+
+def test_plan_refuses_more_workers_than_cores_before_starting_one(four_layers, tmp_path, monkeypatch):
+    """A worker count above the cores this process may use (the oracle: os.sched_getaffinity, else os.cpu_count)
+    is one line and exit 2, with nothing written and no process started. `make fuzz` found the case: a count
+    such as 2**69 started processes until the machine ran out of memory, with Ctrl-C held until the pool was
+    whole. The cores themselves are allowed."""
+    import multiprocessing
+
+    monkeypatch.setenv("FXWORKLOAD_CACHE_DIR", str(tmp_path / "cache"))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()  # the oracle
+    for count in (cores + 1, 2 ** 69):
+        run = in_process("plan", four_layers, "--gpus", 4, "--global-batch", 8, "--seq", 16, "--workers", count,
+                         "--out", tmp_path / "never")
+        assert run.returncode == 2 and run.stderr.count("\n") == 1, run.stderr
+        assert f"--workers {count} is more than the {cores} cores" in run.stderr, run.stderr
+        assert multiprocessing.active_children() == [] and not (tmp_path / "never").exists()
+    run = in_process("plan", four_layers, "--gpus", 2, "--global-batch", 4, "--seq", 16, "--workers", cores,
+                     "--out", tmp_path / "fine")
+    assert run.returncode == 0, run.stderr
 
 
 def test_a_plan_asked_again_never_imports_torch(four_layers, tmp_path):
