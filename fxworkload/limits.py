@@ -59,15 +59,16 @@ def cores() -> int:
 
 def check_workers(workers: int | None) -> None:
     """A local worker is a process that loads torch and evaluates shapes on a core: at least one, and no more
-    than the cores (more would only take memory, 0.2-4 GB a worker; a count such as 10**6 would start
+    than the cores (more would only take memory, up to 4.3 GB a worker: docs/limits.md; a count such as 10**6 would start
     processes until the machine ran out of it, with a stop signal held until the pool was whole)."""
     if workers is None:
         return
     if workers < 1:
         raise UserError(f"--workers must be at least 1, got {workers}")
-    if workers > cores():
-        raise UserError(f"--workers {workers} is more than the {cores()} cores this process may use: each worker "
-                        f"is a process that evaluates on a core of its own; use at most {cores()} (the default, one "
+    most = cores()
+    if workers > most:
+        raise UserError(f"--workers {workers} is more than the {most} cores this process may use: each worker "
+                        f"is a process that evaluates on a core of its own; use at most {most} (the default, one "
                         "per core)")
 
 
