@@ -201,6 +201,22 @@ ASYNC_TP_PAIRS = (("torchtitan 405B FSDP+TP Float8", "torchtitan 405B FSDP+TP Fl
 CP_STACK = "compiled-blocks"  # torchtitan of 2024-12-26 (9dec370), as TORCHTITAN's 2024 rows
 TORCHTITAN_CP = {"torchtitan 8B CP1 32k": (8, 1, 32768, 3890, 83.9), "torchtitan 8B CP2 64k": (4, 2, 65536, 2540, 84.2),
                  "torchtitan 8B CP4 128k": (2, 4, 131072, 1071, 84.0), "torchtitan 8B CP8 256k": (1, 8, 262144, 548, 84.5)}
+# its Tables 5 and 6 (Llama 3.1 405B on 512 GPUs, TP 8 x PP 8 x FSDP (x CP) 8, compile, Float8, AsyncTP, full
+# recomputation; Table 5 local batch 32 at seq 8,192, Table 6 local batch 8 with 1F1B). What torchtitan of 2024-12
+# ran there, from its source: micro-batches unset, one per pipeline stage over all ranks, 8 for 1F1B and 16 for
+# Interleaved 1F1B's two a rank (parallelisms/pipelining_utils.py, build_pipeline_schedule, generate_split_points:
+# see torchtitan_pp_layers); FSDP under PP keeps the gathered parameters ("For PP, do not reshard after forward to
+# avoid per-microbatch all-gathers", parallelize_llama.py apply_fsdp), and torch's pipelining stage turns FSDP's
+# gradient sync off until the last backward (torch/distributed/pipelining/stage.py, backward_maybe_with_nosync);
+# Float8 gathers in FP8 as the 405B train config says (FSDP_FLOAT8_GATHER). name -> (fsdp, cp, stages a rank,
+# local batch, seq, tok/s, GiB reserved)
+TORCHTITAN_PP = {"torchtitan 405B PP 1F1B": (8, 1, 1, 32, 8192, 100, 82.5),
+                 "torchtitan 405B PP Interleaved 1F1B": (8, 1, 2, 32, 8192, 128, 72.7),
+                 "torchtitan 405B PP CP1 32k": (8, 1, 1, 8, 32768, 76, 75.3),
+                 "torchtitan 405B PP CP2 64k": (4, 2, 1, 8, 65536, 47, 75.9),
+                 "torchtitan 405B PP CP4 128k": (2, 4, 1, 8, 131072, 31, 77.1),
+                 "torchtitan 405B PP CP8 256k": (1, 8, 1, 8, 262144, 16, 84.9)}
+PP_DEGREE = 8
 # An optimizer-offload ablation: NVIDIA-NeMo/RL pull request 3628 (Megatron-Core's HybridDeviceOptimizer, one
 # H100, Qwen3-0.6B; mean step of steps 11-100): offload fraction -> published step s (0: disabled; both
 # offloaded rows with overlap_cpu_optimizer_d2h_h2d on, as Megatron-Core's default and ours)
@@ -351,6 +367,42 @@ def torchtitan_cp_row(name: str, root: Path) -> list:
             f"{ours:.0f} tok/s", f"{100 * (ours / published - 1):+.2f}%"]
 
 
+def torchtitan_pp_layers(layers: int, pp: int, stages_per_rank: int) -> tuple[int, ...]:
+    """Decoder layers per pipeline rank as torchtitan of 2024-12 split them without split points
+    (generate_split_points): pp x stages_per_rank stages of layers // stages each, the middle stages one more
+    while the remainder lasts, the last stage what is left; rank r holds stages r, r + pp, ... (loop style)."""
+    stages = pp * stages_per_rank
+    base, extra = divmod(layers, stages)
+    sizes = [base]
+    for _ in range(stages - 2):
+        sizes.append(base + (extra > 0))
+        extra -= extra > 0
+    sizes.append(layers - sum(sizes))
+    return tuple(sum(sizes[rank::pp]) for rank in range(pp))
+
+
+def torchtitan_pp_row(name: str, root: Path) -> list:
+    """One of torchtitan's pipelined 405B runs at its layout (as torchtitan_row)."""
+    from fxworkload.pipeline import extract
+
+    fsdp, cp, vpp, local_batch, seq, published, published_gib = TORCHTITAN_PP[name]
+    micro_batches = PP_DEGREE * vpp
+    parallel = Parallel(dp=fsdp, cp=cp, cp_comm="allgather", tp=8, sp=True, pp=PP_DEGREE, vpp=vpp, zero=3,
+                        micro_batches=micro_batches, recompute="full", tp_comm_overlap=True, fp8_param_gather=True,
+                        pp_layers=torchtitan_pp_layers(LLAMA_405B["num_hidden_layers"], PP_DEGREE, vpp),
+                        reshard_after_forward=False, accumulate_unsharded=True)
+    run = extract(str(_llama_405b(root, seq)), batch=local_batch // micro_batches, seq=seq, dtype="bf16",
+                  grad_dtype="fp32", device="h100-sxm-96gb", stack=CP_STACK, fp8=True, fp8_recipe="torchao",
+                  parallel=parallel, sdpa_backends=TORCHTITAN_CP_SDPA if cp > 1 else TORCHTITAN_SDPA)
+    ours = run.cluster.tokens_per_s_per_gpu
+    memory = run.memory.reserved_peak_bytes / 2 ** 30
+    schedule = "Interleaved 1F1B" if vpp > 1 else "1F1B"
+    return [name, f"fsdp{fsdp} cp{cp} tp8 pp8", fsdp * cp * 64,
+            f"{CP_STACK}, Float8 (torchao), FP8 FSDP gathers, AsyncTP, recompute full, {schedule}, {micro_batches} "
+            f"micro-batches, seq {seq:,}; {memory:.1f} GiB vs {published_gib} ({100 * (memory / published_gib - 1):+.1f}%)",
+            f"{published} tok/s", f"{ours:.0f} tok/s", f"{100 * (ours / published - 1):+.2f}%"]
+
+
 def offload_rows(root: Path) -> list:
     """What offloading a share of the optimizer adds to a step, ours against the pull request's. The run's
     batch and sequence are not given, and the added time does not depend on them (the optimizer follows
@@ -413,12 +465,16 @@ def moe_offload_rows(root: Path) -> list:
              f"{100 * (freed / MOE_OFFLOAD['freed_gb'] - 1):+.1f}%"]]
 
 
-def _llama_405b(root: Path) -> Path:
+def _llama_405b(root: Path, seq: int = 0) -> Path:
+    """Llama 3 405B's config; positions up to ``seq`` where it runs past 3.1's 131,072 (torchtitan takes its
+    max_seq_len from the job)."""
     from transformers import LlamaConfig
 
-    folder = root / "llama-3-405b"
+    positions = max(LLAMA_405B["max_position_embeddings"], seq)
+    folder = root / ("llama-3-405b" if seq <= LLAMA_405B["max_position_embeddings"] else f"llama-3-405b-{positions}")
     if not folder.exists():
-        LlamaConfig(**{k: v for k, v in LLAMA_405B.items() if k != "model_type"}).save_pretrained(folder)
+        LlamaConfig(**{k: v for k, v in LLAMA_405B.items() if k != "model_type"}
+                    | {"max_position_embeddings": positions}).save_pretrained(folder)
     return folder
 
 
@@ -507,6 +563,10 @@ def main() -> None:
     for name in TORCHTITAN_CP:
         if wanted is None or name in wanted or "torchtitan" in wanted:
             native.append(torchtitan_cp_row(name, root))
+            print(" | ".join(map(str, native[-1])), file=sys.stderr, flush=True)
+    for name in TORCHTITAN_PP:
+        if wanted is None or name in wanted or "torchtitan" in wanted:
+            native.append(torchtitan_pp_row(name, root))
             print(" | ".join(map(str, native[-1])), file=sys.stderr, flush=True)
     if native:
         print("\nPyTorch-native runs (torchtitan; held out, issue 38's open gap):")
