@@ -471,7 +471,7 @@ def _llama_405b(root: Path, seq: int = 0) -> Path:
     from transformers import LlamaConfig
 
     positions = max(LLAMA_405B["max_position_embeddings"], seq)
-    folder = root / ("llama-3-405b" if seq <= LLAMA_405B["max_position_embeddings"] else f"llama-3-405b-{positions}")
+    folder = root / ("llama-3-405b" if positions == LLAMA_405B["max_position_embeddings"] else f"llama-3-405b-{positions}")
     if not folder.exists():
         LlamaConfig(**{k: v for k, v in LLAMA_405B.items() if k != "model_type"}
                     | {"max_position_embeddings": positions}).save_pretrained(folder)
