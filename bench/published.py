@@ -319,15 +319,22 @@ def torchtitan_row(name: str, root: Path, tokens_per_s: dict | None = None) -> l
                         fp8_param_gather=name in FSDP_FLOAT8_GATHER)
     run = extract(model, batch=batch, seq=seq, dtype="bf16", grad_dtype="fp32", device="h100-sxm-96gb", stack=stack,
                   fp8=recipe is not None, fp8_recipe=recipe or "te", parallel=parallel, sdpa_backends=TORCHTITAN_SDPA)
-    ours = run.cluster.tokens_per_s_per_gpu
     if tokens_per_s is not None:
-        tokens_per_s[name] = ours
-    memory = run.memory.reserved_peak_bytes / 2 ** 30
+        tokens_per_s[name] = run.cluster.tokens_per_s_per_gpu
     said = (f"{stack}{', Float8 (' + recipe + ')' if recipe else ''}{', FP8 FSDP gathers' if name in FSDP_FLOAT8_GATHER else ''}"
             f"{', AsyncTP' if async_tp else ''}, recompute {recompute}")
+    return native_row(name, f"fsdp{dp} tp{tp}", dp * tp, said, run, published, published_gib)
+
+
+def native_row(name: str, layout: str, gpus: int, said: str, run, published: float,
+               published_gib: float | None) -> list:
+    """A PyTorch-native run's row: how it ran and our reserved peak beside the published one (if any), then
+    tokens/s per GPU, published and ours."""
+    ours = run.cluster.tokens_per_s_per_gpu
+    memory = run.memory.reserved_peak_bytes / 2 ** 30
     memory_text = f"{memory:.1f} GiB" + (f" vs {published_gib} ({100 * (memory / published_gib - 1):+.1f}%)"
                                          if published_gib else "")
-    return [name, f"fsdp{dp} tp{tp}", dp * tp, f"{said}; {memory_text}", f"{published} tok/s", f"{ours:.0f} tok/s",
+    return [name, layout, gpus, f"{said}; {memory_text}", f"{published} tok/s", f"{ours:.0f} tok/s",
             f"{100 * (ours / published - 1):+.2f}%"]
 
 
@@ -360,11 +367,8 @@ def torchtitan_cp_row(name: str, root: Path) -> list:
     run = extract(str(folder), batch=1, seq=seq, dtype="bf16", grad_dtype="fp32", device="h100-sxm-96gb",
                   stack=CP_STACK, fp8=True, fp8_recipe="torchao", parallel=parallel,
                   sdpa_backends=TORCHTITAN_CP_SDPA if cp > 1 else TORCHTITAN_SDPA)
-    ours = run.cluster.tokens_per_s_per_gpu
-    memory = run.memory.reserved_peak_bytes / 2 ** 30
-    return [name, f"fsdp{fsdp} cp{cp}", fsdp * cp, f"{CP_STACK}, Float8 (torchao), recompute full, seq {seq:,}; "
-            f"{memory:.1f} GiB vs {published_gib} ({100 * (memory / published_gib - 1):+.1f}%)", f"{published} tok/s",
-            f"{ours:.0f} tok/s", f"{100 * (ours / published - 1):+.2f}%"]
+    said = f"{CP_STACK}, Float8 (torchao), recompute full, seq {seq:,}"
+    return native_row(name, f"fsdp{fsdp} cp{cp}", fsdp * cp, said, run, published, published_gib)
 
 
 def torchtitan_pp_layers(layers: int, pp: int, stages_per_rank: int) -> tuple[int, ...]:
@@ -394,13 +398,10 @@ def torchtitan_pp_row(name: str, root: Path) -> list:
     run = extract(str(_llama_405b(root, seq)), batch=local_batch // micro_batches, seq=seq, dtype="bf16",
                   grad_dtype="fp32", device="h100-sxm-96gb", stack=CP_STACK, fp8=True, fp8_recipe="torchao",
                   parallel=parallel, sdpa_backends=TORCHTITAN_CP_SDPA if cp > 1 else TORCHTITAN_SDPA)
-    ours = run.cluster.tokens_per_s_per_gpu
-    memory = run.memory.reserved_peak_bytes / 2 ** 30
     schedule = "Interleaved 1F1B" if vpp > 1 else "1F1B"
-    return [name, f"fsdp{fsdp} cp{cp} tp8 pp8", fsdp * cp * 64,
-            f"{CP_STACK}, Float8 (torchao), FP8 FSDP gathers, AsyncTP, recompute full, {schedule}, {micro_batches} "
-            f"micro-batches, seq {seq:,}; {memory:.1f} GiB vs {published_gib} ({100 * (memory / published_gib - 1):+.1f}%)",
-            f"{published} tok/s", f"{ours:.0f} tok/s", f"{100 * (ours / published - 1):+.2f}%"]
+    return native_row(name, f"fsdp{fsdp} cp{cp} tp8 pp8", fsdp * cp * 64,
+                      f"{CP_STACK}, Float8 (torchao), FP8 FSDP gathers, AsyncTP, recompute full, {schedule}, "
+                      f"{micro_batches} micro-batches, seq {seq:,}", run, published, published_gib)
 
 
 def offload_rows(root: Path) -> list:
