@@ -190,34 +190,11 @@ def cluster_step(facts: ModelFacts, workload: Workload, model_workload: Workload
         comm.append(blocking)
         flops.append(device_flops)
         layouts.append((chunks, _with_data_parallel(chunks, p, grad_dtype, dtype, workload.fp8_modules)))
-    zero3 = [(0.0, 0.0)] * p.pp  # per device: one forward and one backward pass's gather time
-    zero3_exposed, zero3_trailing, zero3_copies, zero3_host = [0.0] * p.pp, [0.0] * p.pp, [0.0] * p.pp, [0.0] * p.pp
+    zero3 = [_Zero3Device() for _ in range(p.pp)]
     if p.zero == 3:  # gathers and reduce-scatters per FSDP unit on a stream beside the compute (zero3.py)
-        itemsizes = DTYPES[dtype].itemsize, DTYPES[grad_dtype].itemsize, (
-            workload.fp8_modules if p.fp8_param_gather else frozenset())
-        share = compute_share_lost(device.sm_count)
-        kinds = micro_batch_kinds(p)  # --accumulate-unsharded: the first, middle and last backwards differ
         for d in range(p.pp):
-            chunks = layouts[d][0]
-            groups_f = [_zero3_groups(c, FORWARD, p, device, *itemsizes) for c in chunks]
-            groups_b = {kind: [_zero3_groups(c, INPUT_GRAD, p, device, *itemsizes, kind=kind) for c in chunks]
-                        for kind, _ in kinds}
-            timelines_f = [simulate_pass(f, share) for f in groups_f]
-            timelines_b = {kind: [simulate_pass(b, share) for b in groups] for kind, groups in groups_b.items()}
-            forward[d] = [t.duration_ns for t in timelines_f]
-            # the schedule takes one backward per chunk: their mean over the step's micro-batches (exact without
-            # a pipeline, where the passes run one after another)
-            backward[d] = [sum(n * timelines_b[kind][c].duration_ns for kind, n in kinds) / p.micro_batches
-                           for c in range(len(chunks))]
-            last = kinds[-1][0]  # the step's last backward
-            zero3[d] = (sum(g.gather_ns for g in groups_f[0]), sum(g.gather_ns for g in groups_b[last][0]))
-            zero3_exposed[d] = p.micro_batches * sum(t.exposed_gather_ns for t in timelines_f) + sum(
-                n * t.exposed_gather_ns for kind, n in kinds for t in timelines_b[kind])
-            zero3_copies[d] = p.micro_batches * sum(t.copy_ns for t in timelines_f) + sum(
-                n * t.copy_ns for kind, n in kinds for t in timelines_b[kind])
-            zero3_host[d] = p.micro_batches * sum(t.host_wait_ns for t in timelines_f) + sum(
-                n * t.host_wait_ns for kind, n in kinds for t in timelines_b[kind])
-            zero3_trailing[d] = timelines_b[last][0].trailing_ns  # the step's last backward is chunk 0's
+            zero3[d] = _zero3_device(layouts[d][0], workload, p, device, dtype, grad_dtype)
+            forward[d], backward[d] = list(zero3[d].forward_ns), list(zero3[d].backward_ns)
     offloaded = None  # --activation-offload-layers (pp 1, one chunk): the copies' timeline beside each micro-batch
     if p.activation_offload_layers:
         offload_layers, offloaded = activation_offload_pass(layouts[0][0][0], p, device)
@@ -232,8 +209,8 @@ def cluster_step(facts: ModelFacts, workload: Workload, model_workload: Workload
         mine = passes[d]
         pipeline_end = mine[-1][4]
         if p.zero == 3:  # the buckets' reduce-scatters ran per unit in each backward; the last one spills over
-            dp_end = pipeline_end + zero3_trailing[d]
-            dp_spans = [("ZeRO 3 last reduce-scatter", pipeline_end, dp_end, 0)] if zero3_trailing[d] else []
+            dp_end = pipeline_end + zero3[d].trailing_ns
+            dp_spans = [("ZeRO 3 last reduce-scatter", pipeline_end, dp_end, 0)] if zero3[d].trailing_ns else []
         else:
             dp_end, dp_spans = _data_parallel(layouts[d], mine, p, device, unit_backward[d])
             slowed[d] = _bucket_slowdown(dp_spans, mine, compute_share_lost(device.sm_count))
@@ -246,13 +223,12 @@ def cluster_step(facts: ModelFacts, workload: Workload, model_workload: Workload
         devices.append(DeviceSummary(device=d, compute_ns=compute, blocking_comm_ns=comm[d],
                                      pipeline_end_ns=pipeline_end, data_parallel_end_ns=dp_end,
                                      optimizer_ns=optimizer, zero_gather_ns=gather, end_ns=end,
-                                     zero3_gather_ns=zero3[d], zero3_exposed_gather_ns=zero3_exposed[d],
-                                     zero3_copy_ns=zero3_copies[d], bucket_slowdown_ns=slowed[d],
+                                     zero3_gather_ns=zero3[d].gather_ns, zero3_exposed_gather_ns=zero3[d].exposed_ns,
+                                     zero3_copy_ns=zero3[d].copies_ns, bucket_slowdown_ns=slowed[d],
                                      offload_wait_ns=p.micro_batches * (offloaded.forward_wait_ns +
                                                                         offloaded.backward_wait_ns) if offloaded else 0.0,
-                                     host_wait_ns=zero3_host[d] + p.micro_batches * sum(
-                                         (u.host_wait_ns or {}).get(ph, 0.0) for chunk in layouts[d][0] for u in chunk
-                                         for ph in (FORWARD, INPUT_GRAD, WEIGHT_GRAD))))
+                                     host_wait_ns=zero3[d].host_ns
+                                     + p.micro_batches * _units_host_wait_ns(layouts[d][0])))
     slowest = max(devices, key=lambda x: x.end_ns)
     busiest = max(devices, key=lambda x: x.compute_ns)
     pipeline_ns = max(x.pipeline_end_ns for x in devices)
@@ -281,6 +257,55 @@ def cluster_step(facts: ModelFacts, workload: Workload, model_workload: Workload
                        if p.overlap_param_gather and p.zero in (1, 2) else [],
                        interval_ratio=_interval_ratio(model_workload), activation_copies=offloaded,
                        offload_layer_ids=tuple(offload_layers) if offloaded else ())
+
+
+@dataclass(frozen=True)
+class _Zero3Device:
+    """One device's passes under ZeRO 3 (FSDP): each unit's gathers and reduce-scatters on a stream beside its
+    compute (zero3.py), per chunk, and what they cost the step, every micro-batch."""
+    forward_ns: list[float] = field(default_factory=list)  # per chunk: one forward pass
+    backward_ns: list[float] = field(default_factory=list)  # per chunk: one backward, the step's mean
+    gather_ns: tuple[float, float] = (0.0, 0.0)  # chunk 0's gathers: one forward, the last backward
+    exposed_ns: float = 0.0  # the gathers' waits
+    copies_ns: float = 0.0  # FSDP2's copy-in/copy-out kernels
+    host_ns: float = 0.0  # the GPU waiting on FSDP2's hooks
+    trailing_ns: float = 0.0  # the step's last reduce-scatter past its last backward
+
+
+def _zero3_device(chunks: list[list[Unit]], workload: Workload, p: Parallel, device: DeviceProfile, dtype: str,
+                  grad_dtype: str) -> _Zero3Device:
+    itemsizes = DTYPES[dtype].itemsize, DTYPES[grad_dtype].itemsize, (
+        workload.fp8_modules if p.fp8_param_gather else frozenset())
+    share = compute_share_lost(device.sm_count)
+    kinds = micro_batch_kinds(p)  # --accumulate-unsharded: the first, middle and last backwards differ
+    groups_f = [_zero3_groups(c, FORWARD, p, device, *itemsizes) for c in chunks]
+    groups_b = {kind: [_zero3_groups(c, INPUT_GRAD, p, device, *itemsizes, kind=kind) for c in chunks]
+                for kind, _ in kinds}
+    timelines_f = [simulate_pass(f, share) for f in groups_f]
+    timelines_b = {kind: [simulate_pass(b, share) for b in groups] for kind, groups in groups_b.items()}
+    last = kinds[-1][0]  # the step's last backward
+
+    def every_micro_batch(figure) -> float:
+        return p.micro_batches * sum(figure(t) for t in timelines_f) + sum(
+            n * figure(t) for kind, n in kinds for t in timelines_b[kind])
+
+    # the schedule takes one backward per chunk: their mean over the step's micro-batches (exact without a
+    # pipeline, where the passes run one after another)
+    return _Zero3Device(
+        forward_ns=[t.duration_ns for t in timelines_f],
+        backward_ns=[sum(n * timelines_b[kind][c].duration_ns for kind, n in kinds) / p.micro_batches
+                     for c in range(len(chunks))],
+        gather_ns=(sum(g.gather_ns for g in groups_f[0]), sum(g.gather_ns for g in groups_b[last][0])),
+        exposed_ns=every_micro_batch(lambda t: t.exposed_gather_ns),
+        copies_ns=every_micro_batch(lambda t: t.copy_ns),
+        host_ns=every_micro_batch(lambda t: t.host_wait_ns),
+        trailing_ns=timelines_b[last][0].trailing_ns)  # the step's last backward is chunk 0's
+
+
+def _units_host_wait_ns(chunks: list[list[Unit]]) -> float:
+    """One micro-batch's wait on the host issuing the device's ops, every pass of every unit (rank.py)."""
+    return sum((u.host_wait_ns or {}).get(ph, 0.0) for chunk in chunks for u in chunk
+               for ph in (FORWARD, INPUT_GRAD, WEIGHT_GRAD))
 
 
 def activation_offload_pass(chunk: list[Unit], p: Parallel, device: DeviceProfile) -> tuple[list[int], OffloadedPass]:
