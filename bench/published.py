@@ -570,7 +570,7 @@ def main() -> None:
             native.append(torchtitan_pp_row(name, root))
             print(" | ".join(map(str, native[-1])), file=sys.stderr, flush=True)
     if native:
-        print("\nPyTorch-native runs (torchtitan; held out, issue 38's open gap):")
+        print("\nPyTorch-native runs (torchtitan; held out):")
         print(tabulate(native, headers=["run", "layout", "gpus", "as run; peak memory ours vs published (reserved)",
                                         "published", "ours", "ours_vs_published"], tablefmt="github"))
         print(accuracy_line(native))
