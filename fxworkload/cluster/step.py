@@ -263,8 +263,8 @@ def cluster_step(facts: ModelFacts, workload: Workload, model_workload: Workload
 class _Zero3Device:
     """One device's passes under ZeRO 3 (FSDP): each unit's gathers and reduce-scatters on a stream beside its
     compute (zero3.py), per chunk, and what they cost the step, every micro-batch."""
-    forward_ns: list[float] = field(default_factory=list)  # per chunk: one forward pass
-    backward_ns: list[float] = field(default_factory=list)  # per chunk: one backward, the step's mean
+    forward_ns: tuple[float, ...] = ()  # per chunk: one forward pass
+    backward_ns: tuple[float, ...] = ()  # per chunk: one backward, the step's mean
     gather_ns: tuple[float, float] = (0.0, 0.0)  # chunk 0's gathers: one forward, the last backward
     exposed_ns: float = 0.0  # the gathers' waits
     copies_ns: float = 0.0  # FSDP2's copy-in/copy-out kernels
@@ -292,9 +292,9 @@ def _zero3_device(chunks: list[list[Unit]], workload: Workload, p: Parallel, dev
     # the schedule takes one backward per chunk: their mean over the step's micro-batches (exact without a
     # pipeline, where the passes run one after another)
     return _Zero3Device(
-        forward_ns=[t.duration_ns for t in timelines_f],
-        backward_ns=[sum(n * timelines_b[kind][c].duration_ns for kind, n in kinds) / p.micro_batches
-                     for c in range(len(chunks))],
+        forward_ns=tuple(t.duration_ns for t in timelines_f),
+        backward_ns=tuple(sum(n * timelines_b[kind][c].duration_ns for kind, n in kinds) / p.micro_batches
+                          for c in range(len(chunks))),
         gather_ns=(sum(g.gather_ns for g in groups_f[0]), sum(g.gather_ns for g in groups_b[last][0])),
         exposed_ns=every_micro_batch(lambda t: t.exposed_gather_ns),
         copies_ns=every_micro_batch(lambda t: t.copy_ns),
